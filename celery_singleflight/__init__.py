@@ -1,0 +1,74 @@
+"""celery_singleflight: only one run per key at a time, safe, observable and fast, for Celery."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import signals, worker_hooks  # noqa: F401  (worker_hooks connects the main-process receivers)
+
+# errors
+from .errors import (
+    ConfigurationError,
+    KeyTemplateError,
+    LeaseLost,
+    LockHeld,
+    NotInsideRun,
+    RedisUnavailable,
+    SingleFlightError,
+)
+
+# keys
+from .keys import MAX_KEY_LENGTH, KeyLayout, canonical, compile_key, digest_key
+
+# leases
+from .lease import Acquired, Held, Holder, Lease, LeaseStore
+
+# outcomes
+from .outcome import SkippedRun, is_skipped
+
+# settings
+from .settings import Options, resolve_options
+
+# the task base class
+from .task import SingleFlightTask, counters, store_for
+
+try:
+    __version__ = version("celery-singleflight")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    # the task base class
+    "SingleFlightTask",
+    "counters",
+    "store_for",
+    # errors
+    "ConfigurationError",
+    "KeyTemplateError",
+    "LeaseLost",
+    "LockHeld",
+    "NotInsideRun",
+    "RedisUnavailable",
+    "SingleFlightError",
+    # keys
+    "MAX_KEY_LENGTH",
+    "KeyLayout",
+    "canonical",
+    "compile_key",
+    "digest_key",
+    # leases
+    "Acquired",
+    "Held",
+    "Holder",
+    "Lease",
+    "LeaseStore",
+    # outcomes
+    "SkippedRun",
+    "is_skipped",
+    # settings
+    "Options",
+    "resolve_options",
+    # signals module
+    "signals",
+    "__version__",
+]

@@ -1,0 +1,45 @@
+"""One Redis client per URL per process.
+
+Clients are not shared across ``fork()``: a prefork child that inherited its parent's sockets
+would interleave replies with it, so the cache is keyed by PID as well.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+__all__ = ["redis_client"]
+
+_clients: dict[tuple[int, str], redis.Redis] = {}
+_lock = threading.Lock()
+
+
+def redis_client(url: str) -> redis.Redis:
+    """A shared client for ``url``, with short timeouts so an outage is seen in seconds."""
+    key = (os.getpid(), url)
+    client = _clients.get(key)
+    if client is None:
+        with _lock:
+            client = _clients.get(key)
+            if client is None:
+                client = redis.Redis.from_url(
+                    url,
+                    socket_connect_timeout=2.0,
+                    socket_timeout=5.0,
+                    retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+                    health_check_interval=30,
+                )
+                _clients[key] = client
+    return client
+
+
+def _forget_after_fork() -> None:
+    _clients.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,83 @@
+"""The error tree. Every error carries what a user needs to act on it, and pickles.
+
+    SingleFlightError
+    ├── ConfigurationError      (bad setting or task option; raised at definition / worker start)
+    │   └── KeyTemplateError    (a lock_key template that cannot be rendered)
+    ├── LockHeld                (the `raise` outcome of a duplicate: key, holder, time left)
+    ├── LeaseLost               (the lease of the running task is gone)
+    ├── NotInsideRun            (lease/progress used outside a SingleFlightTask run)
+    └── RedisUnavailable        (Redis could not be reached and the task failed closed)
+
+Celery serializes task exceptions as (type, module, args) and rebuilds them on the caller
+side, so every constructor passes all of its arguments to ``super().__init__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "KeyTemplateError",
+    "LeaseLost",
+    "LockHeld",
+    "NotInsideRun",
+    "RedisUnavailable",
+    "SingleFlightError",
+]
+
+
+class SingleFlightError(Exception):
+    """Base class of every error raised by celery_singleflight."""
+
+
+class ConfigurationError(SingleFlightError, ValueError):
+    """A setting or task option is invalid; the message says what to change."""
+
+
+class KeyTemplateError(ConfigurationError):
+    """A lock key template names something the task does not have, or renders badly."""
+
+
+class LockHeld(SingleFlightError):
+    """Another run holds the key: the outcome of a duplicate under ``on_duplicate="raise"``."""
+
+    def __init__(self, key: str, holder: str | None = None, ttl_left: float | None = None) -> None:
+        super().__init__(key, holder, ttl_left)
+        self.key = key
+        self.holder = holder
+        self.ttl_left = ttl_left
+
+    def __str__(self) -> str:
+        left = "unknown" if self.ttl_left is None else f"{self.ttl_left:.1f}s"
+        return f"key {self.key!r} is held by task {self.holder or '<unknown>'} (lease time left: {left})"
+
+
+class LeaseLost(SingleFlightError):
+    """The lease of this run expired or was taken over; another run may now hold the key."""
+
+    def __init__(self, key: str, reason: str = "") -> None:
+        super().__init__(key, reason)
+        self.key = key
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"lease on key {self.key!r} was lost" + (f": {self.reason}" if self.reason else "")
+
+
+class NotInsideRun(SingleFlightError):
+    """``self.lease`` or a lease operation was used outside a guarded run."""
+
+
+class RedisUnavailable(SingleFlightError):
+    """Redis could not be reached for ``key`` and the task fails closed."""
+
+    def __init__(self, key: str, detail: str = "", waited: float = 0.0) -> None:
+        super().__init__(key, detail, waited)
+        self.key = key
+        self.detail = detail
+        self.waited = waited
+
+    def __str__(self) -> str:
+        return (
+            f"Redis unreachable while guarding key {self.key!r} for {self.waited:.1f}s"
+            f" (fail_closed): {self.detail}"
+        )

