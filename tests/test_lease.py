@@ -1,0 +1,224 @@
+"""The lease against a real Redis: ownership, contention, fencing, heartbeat."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from celery_singleflight import Acquired, Held, Holder, KeyLayout, Lease, LeaseStore
+from celery_singleflight.heartbeat import Heartbeat
+from celery_singleflight.testing import RedisServer
+
+from .conftest import wait_for
+
+
+def _store(server: RedisServer, namespace: str = "t") -> LeaseStore:
+    return LeaseStore(server.client(2), KeyLayout(namespace))
+
+
+def _token() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def store(redis_server: RedisServer) -> LeaseStore:
+    redis_server.client(2).flushdb()
+    return _store(redis_server)
+
+
+def test_acquire_then_duplicate_learns_holder_and_time_left(store: LeaseStore) -> None:
+    """Given a held key, a second acquire is told who holds it and for how long."""
+    first = store.acquire("sync:1", _token(), 10, Holder("task-a"))
+    second = store.acquire("sync:1", _token(), 10, Holder("task-b"))
+    assert isinstance(first, Acquired)
+    assert isinstance(second, Held)
+    assert second.holder == "task-a"
+    assert 9 < second.ttl_left <= 10
+
+
+def test_only_the_owner_token_can_release_or_renew(store: LeaseStore) -> None:
+    """Nobody but the holder can release the lease: not even the same task id with another token."""
+    token = _token()
+    store.acquire("k", token, 10, Holder("task-a"))
+    assert store.release("k", _token()) is False
+    assert store.holder_record("k")["task_id"] == "task-a"
+    assert store.release("k", token) is True
+    assert store.holder_record("k") == {}
+    assert store.release("k", token) is False  # a late second release cannot free a new holder
+
+
+def test_expired_holder_cannot_release_the_next_owner(store: LeaseStore) -> None:
+    """The celery-once bug: an expired holder's release must not delete the next owner's lease."""
+    old = _token()
+    store.acquire("k", old, 0.05, Holder("old"))
+    time.sleep(0.1)
+    new = _token()
+    assert isinstance(store.acquire("k", new, 10, Holder("new")), Acquired)
+    assert store.release("k", old) is False
+    assert store.holder_record("k")["task_id"] == "new"
+
+
+def test_fences_strictly_increase_across_acquires_and_expiry(store: LeaseStore) -> None:
+    fences = []
+    for _ in range(5):
+        token = _token()
+        got = store.acquire("f", token, 10, Holder("t"))
+        assert isinstance(got, Acquired)
+        fences.append(got.fence)
+        store.release("f", token)
+    got = store.acquire("f", _token(), 0.05, Holder("t"))
+    assert isinstance(got, Acquired)
+    fences.append(got.fence)
+    time.sleep(0.1)  # the lease expires, nobody releases it
+    got = store.acquire("f", _token(), 10, Holder("t"))
+    assert isinstance(got, Acquired)
+    fences.append(got.fence)
+    assert fences == sorted(set(fences)), fences
+
+
+def test_fences_keep_growing_after_redis_restarts_empty() -> None:
+    """Given a private Redis with no persistence, when it is killed and restarted empty,
+    then the next fence is still larger than every fence handed out before."""
+    server = RedisServer().start()
+    try:
+        store = _store(server)
+        before = [store.acquire(f"f{i}", _token(), 10, Holder("t")) for i in range(3)]
+        highest = max(g.fence for g in before if isinstance(g, Acquired))
+        server.kill()
+        server.start()
+        assert server.client(2).dbsize() == 0
+        store = _store(server)
+        after = store.acquire("f0", _token(), 10, Holder("t"))
+        assert isinstance(after, Acquired)
+        assert after.fence > highest
+    finally:
+        server.close()
+
+
+def test_namespaces_do_not_see_each_other(redis_server: RedisServer) -> None:
+    a, b = _store(redis_server, "app-a"), _store(redis_server, "app-b")
+    assert isinstance(a.acquire("k", _token(), 10, Holder("t")), Acquired)
+    assert isinstance(b.acquire("k", _token(), 10, Holder("t")), Acquired)
+
+
+def _hold_repeatedly(url: str, key: str, rounds: int, errors: list[str] | None = None) -> None:
+    """Acquire ``key`` ``rounds`` times, recording concurrent holders without the library."""
+    client = redis.Redis.from_url(url + "/2")
+    recorder = redis.Redis.from_url(url + "/3")
+    store = LeaseStore(client, KeyLayout("contend"))
+    done = 0
+    while done < rounds:
+        token = _token()
+        if isinstance(store.acquire(key, token, 5, Holder(token)), Acquired):
+            if recorder.incr("holders") != 1:
+                recorder.incr("overlaps")
+            recorder.incr("acquired")
+            time.sleep(0.001)
+            recorder.decr("holders")
+            store.release(key, token)
+            done += 1
+        else:
+            time.sleep(0.0005)
+
+
+def test_contention_threads_and_processes_one_holder_at_a_time(redis_server: RedisServer) -> None:
+    """Given 4 processes x 4 threads racing for one key, then at no instant are there two holders."""
+    recorder = redis_server.client(3)
+    recorder.flushdb()
+    rounds = 15
+
+    def process_main() -> None:
+        threads = [
+            threading.Thread(target=_hold_repeatedly, args=(redis_server.url, "hot", rounds))
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=process_main) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert int(recorder.get("acquired") or 0) == 4 * 4 * rounds
+    assert int(recorder.get("overlaps") or 0) == 0
+
+
+def _lease(store: LeaseStore, key: str, ttl: float, interval: float) -> Lease:
+    token = _token()
+    got = store.acquire(key, token, ttl, Holder("t"))
+    assert isinstance(got, Acquired)
+    return Lease(key=key, token=token, fence=got.fence, ttl=ttl, interval=interval, task_id="t",
+                 task_name="test", store=store, since=got.since)
+
+
+def test_heartbeat_keeps_a_lease_alive_for_three_ttls(store: LeaseStore) -> None:
+    beat = Heartbeat(store)
+    lease = _lease(store, "hb", 0.6, 0.2)
+    beat.add(lease)
+    try:
+        deadline = time.monotonic() + 1.8
+        while time.monotonic() < deadline:
+            assert store.holder_record("hb"), "the lease expired while the heartbeat ran"
+            time.sleep(0.05)
+        assert not lease.lost
+    finally:
+        beat.stop()
+
+
+def test_heartbeat_renews_many_leases_in_one_round_trip(store: LeaseStore) -> None:
+    beat = Heartbeat(store)
+    leases = [_lease(store, f"many:{i}", 30, 10) for i in range(1000)]
+    before = beat.rounds
+    beat.renew_once(leases)
+    assert beat.rounds == before + 1
+    assert not any(lease.lost for lease in leases)
+
+
+def test_heartbeat_reports_a_lease_deleted_behind_its_back(store: LeaseStore) -> None:
+    from celery_singleflight import LeaseLost, signals
+
+    seen: list[str] = []
+
+    def on_lost(sender: object, lease: Lease, reason: str, **_: object) -> None:
+        seen.append(reason)
+
+    signals.lease_lost.connect(on_lost)
+    beat = Heartbeat(store)
+    lease = _lease(store, "gone", 0.6, 0.2)
+    beat.add(lease)
+    try:
+        store.client.delete(store.lease_key("gone"))
+        wait_for(lambda: lease.lost, timeout=3)
+        with pytest.raises(LeaseLost, match="gone"):
+            lease.check()
+        assert seen and "expired or was released" in seen[0]
+    finally:
+        signals.lease_lost.disconnect(on_lost)
+        beat.stop()
+
+
+def test_heartbeat_marks_lost_when_redis_stays_unreachable_past_the_ttl() -> None:
+    server = RedisServer().start()
+    try:
+        store = LeaseStore(redis.Redis(host="127.0.0.1", port=server.port, db=2,
+                                       socket_timeout=0.2, socket_connect_timeout=0.2),
+                           KeyLayout("t"))
+        beat = Heartbeat(store)
+        lease = _lease(store, "cut", 1.0, 0.3)
+        beat.add(lease)
+        server.kill()
+        wait_for(lambda: lease.lost, timeout=6)
+        assert "unreachable" in lease.lost_reason
+        beat.stop()
+    finally:
+        server.close()

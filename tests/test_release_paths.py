@@ -1,0 +1,126 @@
+"""Every end of a run frees the key at once (not after the TTL), on a real prefork worker.
+
+The worker runs with the default 30 s TTL, so "free within a few seconds" can only come from
+a release, never from expiry.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import ModuleType
+
+import pytest
+from billiard.exceptions import WorkerLostError
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from celery_singleflight.testing import RedisServer, WorkerProcess
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.worker
+FREE_WITHIN = 5.0  # seconds; far below the 30 s TTL
+
+
+def held(sfapp: ModuleType, task: object, key: str) -> dict[str, str]:
+    return task.store.holder_record(task.render_key(key))  # type: ignore[attr-defined, no-any-return]
+
+
+def assert_freed(sfapp: ModuleType, task: object, key: str) -> None:
+    wait_for(lambda: not held(sfapp, task, key), timeout=FREE_WITHIN)
+
+
+def wait_running(sfapp: ModuleType, key: str) -> int:
+    return int(wait_for(lambda: sfapp.recorder.get(f"pid:{key}"), timeout=15))
+
+
+def test_success_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    result = sfapp.hold_raise.delay("ok", 0.05)
+    assert result.get(timeout=15)["key"] == "ok"
+    assert held(sfapp, sfapp.hold_raise, "ok") == {}
+
+
+def test_failure_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    with pytest.raises(ValueError, match="boom"):
+        sfapp.fails.delay("bad").get(timeout=15)
+    assert held(sfapp, sfapp.fails, "bad") == {}
+
+
+def test_self_retry_is_not_its_own_duplicate(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    """Given a task that calls self.retry() while holding its key (policy raise),
+    then the retry runs (it is not refused as a duplicate) and the key is free at the end."""
+    assert sfapp.retry_once.delay("again").get(timeout=15) == 1
+    assert sfapp.recorder.lrange("attempts:again", 0, -1) == [b"0", b"1"]
+    assert held(sfapp, sfapp.retry_once, "again") == {}
+
+
+def test_ignore_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    sfapp.ignores.delay("ign")
+    wait_for(lambda: "ignores" in shared_worker.log() and True, timeout=15)
+    assert_freed(sfapp, sfapp.ignores, "ign")
+
+
+def test_reject_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    result = sfapp.rejects.delay("rej")
+    wait_for(lambda: result.ready(), timeout=15)
+    assert_freed(sfapp, sfapp.rejects, "rej")
+
+
+def test_soft_time_limit_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    with pytest.raises(SoftTimeLimitExceeded):
+        sfapp.soft_limited.delay("soft").get(timeout=15)
+    assert held(sfapp, sfapp.soft_limited, "soft") == {}
+
+
+def test_hard_time_limit_releases_from_the_main_process(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    with pytest.raises(TimeLimitExceeded):
+        sfapp.hard_limited.delay("hard").get(timeout=20)
+    assert_freed(sfapp, sfapp.hard_limited, "hard")
+
+
+def test_revoke_terminate_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    result = sfapp.sleeper.delay("revoked")
+    wait_running(sfapp, "revoked")
+    assert held(sfapp, sfapp.sleeper, "revoked")
+    result.revoke(terminate=True)
+    assert_freed(sfapp, sfapp.sleeper, "revoked")
+    wait_for(lambda: result.state == "REVOKED", timeout=FREE_WITHIN)
+
+
+def test_killed_pool_process_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    """Given a running holder, when its pool process is killed with SIGKILL (it runs no code),
+    then the worker's main process frees the key, well before the TTL."""
+    result = sfapp.sleeper.delay("killed")
+    pid = wait_running(sfapp, "killed")
+    os.kill(pid, signal.SIGKILL)
+    assert_freed(sfapp, sfapp.sleeper, "killed")
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=15)
+
+
+def test_warm_shutdown_lets_the_run_finish_and_release(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    worker: WorkerProcess = start_worker(concurrency=1)  # type: ignore[operator]
+    result = sfapp.sleeper.delay("warm", 1.5)
+    wait_running(sfapp, "warm")
+    worker.stop(timeout=20)
+    assert result.get(timeout=5) == "slept"
+    assert held(sfapp, sfapp.sleeper, "warm") == {}
+
+
+def test_lost_host_frees_the_key_within_the_ttl(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
+    """Given a worker with a 3 s TTL, when the whole worker is SIGKILLed (no process survives to
+    release), then the key frees by expiry within the TTL."""
+    worker: WorkerProcess = start_worker(concurrency=1, env={"SF_TEST_TTL": "3"})  # type: ignore[operator]
+    sfapp.sleeper.delay("host")
+    wait_running(sfapp, "host")
+    assert held(sfapp, sfapp.sleeper, "host")
+    worker.kill()
+    key = sfapp.sleeper.store.lease_key(sfapp.sleeper.render_key("host"))
+    assert 0 < redis_server.client(2).pttl(key) <= 3000
+    assert_freed(sfapp, sfapp.sleeper, "host")
