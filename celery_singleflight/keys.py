@@ -71,15 +71,23 @@ def _normalize(value: Any) -> Any:
 
 
 def canonical(value: Any) -> str:
-    """Deterministic, collision-free text for any argument value."""
-    return json.dumps(
-        _normalize(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+    """Deterministic, collision-free text for any argument value.
+
+    A lone surrogate (possible after JSON decoding) becomes its ``\\udXXX`` escape, which no
+    other string can render to (a real backslash is rendered doubled), so the key stays valid
+    UTF-8 for Redis.
+    """
+    text = json.dumps(_normalize(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def digest_key(key: str) -> str:
-    """Keep keys bounded: a readable head plus a versioned SHA-256 of the whole key."""
-    if len(key) <= MAX_KEY_LENGTH:
+    """Keep keys bounded: a readable head plus a versioned SHA-256 of the whole key.
+
+    A short key that already carries the digest mark is digested too, so no key can pose as
+    the digest of another.
+    """
+    if len(key) <= MAX_KEY_LENGTH and _DIGEST_MARK not in key:
         return key
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{key[:_DIGEST_KEEP]}{_DIGEST_MARK}{digest}"
@@ -96,6 +104,8 @@ def _parse(template: str) -> list[_Part]:
     pos = 0
     for match in _PLACEHOLDER.finditer(template):
         literal = template[pos : match.start()]
+        if "<" in literal or ">" in literal:
+            raise KeyTemplateError(f"lock key template {template!r} has an unbalanced '<' or '>'")
         name = match.group(1).strip()
         if not _NAME.match(name):
             raise KeyTemplateError(

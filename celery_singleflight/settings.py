@@ -64,10 +64,9 @@ def _conf_get(conf: Any, name: str) -> Any:
 
 
 def _seconds(where: str, value: Any, *, allow_zero: bool = False) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"{where} must be a number of seconds, not {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{where} must be a number of seconds (int or float), not {value!r}")
+    number = float(value)
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         bound = "zero or more" if allow_zero else "more than zero"
         raise ConfigurationError(f"{where} must be {bound} seconds, not {value!r}")

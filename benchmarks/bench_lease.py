@@ -1,0 +1,427 @@
+"""Lease cost of celery_singleflight next to redis-py's ``redis.lock.Lock``, on one Redis.
+
+Every singleflight task run pays one acquire and one release, and every worker process pays
+one renewal pass per heartbeat tick for all the leases it holds. This benchmark checks those
+costs against their budgets, from ONE client over loopback, with redis-py's plain ``Lock``
+measured side by side as the baseline (it is what people would use instead):
+
+1. uncontended acquire + release pairs per second. Both sides do what one task run does: a
+   fresh token (``uuid4`` for us as in ``task.py``, ``uuid1`` inside ``Lock.acquire``) and a
+   fresh ``Holder``/``Lock`` object per pair, on the same key (it is released each time);
+2. Redis round trips per pair, counted on the client (see :class:`RoundTrips`) and by the
+   server: MONITOR lines sent by our connection (top-level commands; the ``redis.call``s a
+   script makes show up as ``[lua]`` lines and are not round trips). Next to it,
+   ``INFO stats total_commands_processed`` per pair, minus our own INFO calls: on Redis 7 that
+   counter includes the commands run inside Lua scripts, so it is the server's work per pair,
+   not its round trips;
+3. one renewal pass over 1,000 leases held by one process (``Heartbeat.renew_once``) in round
+   trips and wall time; redis-py has no batch renewal, so its column is 1,000 ``reacquire()``;
+4. Redis memory per held lease: ``INFO memory used_memory`` before and after acquiring 10,000
+   leases on distinct keys, divided by 10,000. For singleflight this includes each key's fence
+   counter (a second Redis key that outlives the lease by design).
+
+By default a private redis-server is started on a free loopback port and stopped afterwards.
+With ``--redis-url`` that server is used instead: only keys under a unique namespace prefix
+are written, and only those are deleted at the end (nothing is flushed). Counts from INFO and
+memory are then disturbed by whatever else that server is doing.
+
+The result is a report, not a test: the exit status is 0 whatever the verdicts.
+
+    .venv/bin/python benchmarks/bench_lease.py [--seconds N] [--redis-url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+from redis.connection import DefaultParser
+from redis.lock import Lock
+from redis.utils import HIREDIS_AVAILABLE
+
+from celery_singleflight.heartbeat import Heartbeat
+from celery_singleflight.keys import KeyLayout
+from celery_singleflight.lease import Acquired, Holder, Lease, LeaseStore
+from celery_singleflight.testing import RedisServer
+
+TTL = 30.0  # seconds, the same for both contenders
+WARMUP_PAIRS = 1_000  # loads the scripts (NOSCRIPT -> SCRIPT LOAD) and the connection
+COUNTED_PAIRS = 1_000  # pairs whose round trips and commands are counted
+RENEWED_LEASES = 1_000
+MEMORY_LEASES = 10_000
+BATCH = 100  # pairs between two looks at the clock
+
+MIN_PAIRS_PER_SECOND = 10_000
+MAX_TRIPS_PER_PAIR = 2
+MAX_TRIPS_PER_RENEWAL = 1
+MAX_BYTES_PER_LEASE = 500  # "a few hundred bytes"
+
+
+class RoundTrips:
+    """Client-side round trips of one ``redis.Redis`` client.
+
+    Counted at ``Connection.send_packed_command``: redis-py calls it exactly once per request
+    it writes, then blocks on the reply before writing anything else (a pipeline writes all
+    its commands in one call), so calls == request/response round trips, hidden ones included:
+    SCRIPT LOAD after a NOSCRIPT error, health-check PINGs, the handshake of a new connection.
+    Counting ``read_response`` would count replies instead (N per pipeline, not 1).
+
+    The pool's connection class is swapped for a counting subclass of whatever class the URL
+    chose (TCP, TLS, unix socket), so this must run before the client's first command.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.count = 0
+        pool = client.connection_pool
+        base: type[Any] = pool.connection_class
+
+        def send_packed_command(conn: Any, command: Any, check_health: bool = True) -> None:
+            self.count += 1
+            base.send_packed_command(conn, command, check_health)
+
+        pool.connection_class = type(
+            f"RoundTripCounting{base.__name__}", (base,), {"send_packed_command": send_packed_command}
+        )
+
+
+class Contender(Protocol):
+    """One lock implementation, driven through the same four operations."""
+
+    name: str
+    client: redis.Redis
+    trips: RoundTrips
+
+    def pair(self) -> None:
+        """One uncontended acquire + release, as one task run does."""
+
+    def hold(self, count: int) -> None:
+        """Acquire ``count`` leases on distinct keys and keep them."""
+
+    def renew(self, count: int) -> None:
+        """Renew the first ``count`` held leases once."""
+
+
+class Singleflight:
+    name = "celery_singleflight"
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.trips = RoundTrips(self.client)
+        self.store = LeaseStore(self.client, KeyLayout(namespace))
+        self.heartbeat = Heartbeat(self.store)  # renew_once() only: its thread never starts
+        self.held: list[Lease] = []
+
+    def pair(self) -> None:
+        token = uuid.uuid4().hex
+        got = self.store.acquire("pair", token, TTL, Holder(task_id=token))
+        if not isinstance(got, Acquired) or not self.store.release("pair", token):
+            raise RuntimeError(f"{self.name}: an uncontended acquire + release failed: {got}")
+
+    def hold(self, count: int) -> None:
+        for i in range(len(self.held), len(self.held) + count):
+            key, token = f"held:{i:05d}", uuid.uuid4().hex
+            got = self.store.acquire(key, token, TTL, Holder(task_id=token))
+            if not isinstance(got, Acquired):
+                raise RuntimeError(f"{self.name}: could not acquire free key {key!r}: {got}")
+            self.held.append(
+                Lease(key=key, token=token, fence=got.fence, ttl=TTL, interval=TTL / 3,
+                      task_id=token, task_name="bench", store=self.store, since=got.since)
+            )
+
+    def renew(self, count: int) -> None:
+        leases = self.held[:count]
+        self.heartbeat.renew_once(leases)
+        if any(lease.lost for lease in leases):
+            raise RuntimeError(f"{self.name}: a renewal lost a lease")
+
+
+class RedisPyLock:
+    name = "redis-py Lock"
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.trips = RoundTrips(self.client)
+        self.layout = KeyLayout(namespace)  # lock names as long as singleflight's lease keys
+        self.held: list[Lock] = []
+
+    def pair(self) -> None:
+        lock = self.client.lock(self.layout.redis_key("pair", "lock"), timeout=TTL)
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"{self.name}: an uncontended acquire failed")
+        lock.release()
+
+    def hold(self, count: int) -> None:
+        for i in range(len(self.held), len(self.held) + count):
+            lock = self.client.lock(self.layout.redis_key(f"held:{i:05d}", "lock"), timeout=TTL)
+            if not lock.acquire(blocking=False):
+                raise RuntimeError(f"{self.name}: could not acquire free lock {lock.name!r}")
+            self.held.append(lock)
+
+    def renew(self, count: int) -> None:
+        for lock in self.held[:count]:
+            lock.reacquire()  # TTL back to the full timeout, as RENEW_MANY's PEXPIRE does
+
+
+@dataclass(frozen=True)
+class Results:
+    pairs_per_second: float
+    client_trips_per_pair: float
+    server_trips_per_pair: float | None
+    server_commands_per_pair: float | None
+    client_trips_per_renewal: float
+    server_trips_per_renewal: float | None
+    seconds_per_renewal: float
+    bytes_per_lease: float
+
+
+class Server:
+    """The Redis under test, seen through connections that are never counted."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.admin = redis.Redis.from_url(url, socket_timeout=60)
+        self.admin.ping()  # connect now: a later handshake would show up in the INFO deltas
+        first = self.commands_processed()
+        self.info_cost = self.commands_processed() - first  # INFO counts itself: 1 on Redis 7
+
+    def commands_processed(self) -> int:
+        return int(self.admin.info("stats")["total_commands_processed"])
+
+    def used_memory(self) -> int:
+        return int(self.admin.info("memory")["used_memory"])
+
+    def version(self) -> str:
+        return str(self.admin.info("server")["redis_version"])
+
+    def count(self, contender: Contender, work: Callable[[], None]) -> tuple[int, int | None, int | None]:
+        """Run ``work`` once; return its round trips (client, server) and server commands.
+
+        Server round trips are the MONITOR lines of ``contender``'s connection (a script's own
+        ``redis.call``s are ``[lua]`` lines and do not count); None if MONITOR or INFO is
+        refused (ACL) or the connection is a unix socket, whose MONITOR lines carry no peer.
+        """
+        addr = str(contender.client.client_info()["addr"])  # before the client-side count
+        by_peer = "path" not in contender.client.connection_pool.connection_kwargs  # not unix
+        trips_before = contender.trips.count
+        watcher = redis.Redis.from_url(self.url, socket_timeout=60)
+        sentinel = f"bench-lease-end-{uuid.uuid4().hex}"
+        try:
+            with watcher.monitor() as monitor:  # type: ignore[no-untyped-call]
+                commands_before = self.commands_processed()
+                work()
+                commands = self.commands_processed() - commands_before - self.info_cost
+                client_trips = contender.trips.count - trips_before
+                self.admin.echo(sentinel)
+                server_trips = 0
+                while sentinel not in (entry := monitor.next_command())["command"]:
+                    if f"{entry['client_address']}:{entry['client_port']}" == addr:
+                        server_trips += 1
+        except redis.ResponseError:
+            return contender.trips.count - trips_before, None, None
+        finally:
+            watcher.close()
+        return client_trips, (server_trips if by_peer else None), commands
+
+    def delete_namespace(self, namespace: str) -> int:
+        """Delete the keys under ``namespace:`` (ours only) and return how many there were."""
+        deleted = 0
+        batch: list[bytes] = []
+        for key in self.admin.scan_iter(match=f"{namespace}:*", count=1_000):
+            batch.append(key)
+            if len(batch) == 1_000:
+                deleted += int(self.admin.unlink(*batch))
+                batch.clear()
+        if batch:
+            deleted += int(self.admin.unlink(*batch))
+        return deleted
+
+
+def pairs_per_second(contender: Contender, seconds: float) -> float:
+    pair = contender.pair
+    done = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while True:
+        for _ in range(BATCH):
+            pair()
+        done += BATCH
+        now = time.perf_counter()
+        if now >= deadline:
+            return done / (now - start)
+
+
+def seconds_per_renewal(contender: Contender, seconds: float) -> float:
+    """Median wall time of one renewal pass over RENEWED_LEASES, passes repeated for ``seconds``."""
+    timings: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while not timings or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        contender.renew(RENEWED_LEASES)
+        timings.append(time.perf_counter() - start)
+    return statistics.median(timings)
+
+
+def measure(contender: Contender, server: Server, seconds: float) -> Results:
+    for _ in range(WARMUP_PAIRS):
+        contender.pair()
+    rate = pairs_per_second(contender, seconds)
+
+    def counted_pairs() -> None:
+        for _ in range(COUNTED_PAIRS):
+            contender.pair()
+
+    pair_trips, pair_server_trips, pair_commands = server.count(contender, counted_pairs)
+
+    memory_before = server.used_memory()
+    contender.hold(MEMORY_LEASES)
+    bytes_per_lease = (server.used_memory() - memory_before) / MEMORY_LEASES
+
+    contender.renew(RENEWED_LEASES)  # warm-up: loads the renewal script
+    renewal_trips, renewal_server_trips, _ = server.count(contender, lambda: contender.renew(RENEWED_LEASES))
+    renewal_seconds = seconds_per_renewal(contender, seconds)
+
+    return Results(
+        pairs_per_second=rate,
+        client_trips_per_pair=pair_trips / COUNTED_PAIRS,
+        server_trips_per_pair=None if pair_server_trips is None else pair_server_trips / COUNTED_PAIRS,
+        server_commands_per_pair=None if pair_commands is None else pair_commands / COUNTED_PAIRS,
+        client_trips_per_renewal=renewal_trips,
+        server_trips_per_renewal=renewal_server_trips,
+        seconds_per_renewal=renewal_seconds,
+        bytes_per_lease=bytes_per_lease,
+    )
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
+    return "n/a" if value is None else ("PASS" if ok(value) else "MISS")
+
+
+def table(ours: Results, theirs: Results, seconds: float) -> str:
+    rows: list[tuple[str, str, str, str, str]] = [
+        (
+            f"uncontended acquire+release pairs/s ({seconds:g} s, 1 client)",
+            f"{ours.pairs_per_second:,.0f} ({1e6 / ours.pairs_per_second:.1f} µs/pair)",
+            f"{theirs.pairs_per_second:,.0f} ({1e6 / theirs.pairs_per_second:.1f} µs/pair)",
+            f"≥ {MIN_PAIRS_PER_SECOND:,}",
+            _verdict(ours.pairs_per_second, lambda v: v >= MIN_PAIRS_PER_SECOND),
+        ),
+        (
+            "round trips per pair, client (send_packed_command calls)",
+            _num(ours.client_trips_per_pair),
+            _num(theirs.client_trips_per_pair),
+            f"{MAX_TRIPS_PER_PAIR}",
+            _verdict(ours.client_trips_per_pair, lambda v: v <= MAX_TRIPS_PER_PAIR),
+        ),
+        (
+            "round trips per pair, server (MONITOR lines of our connection)",
+            _num(ours.server_trips_per_pair),
+            _num(theirs.server_trips_per_pair),
+            f"{MAX_TRIPS_PER_PAIR}",
+            _verdict(ours.server_trips_per_pair, lambda v: v <= MAX_TRIPS_PER_PAIR),
+        ),
+        (
+            "commands executed per pair, server (total_commands_processed, incl. inside Lua)",
+            _num(ours.server_commands_per_pair),
+            _num(theirs.server_commands_per_pair),
+            "—",
+            "info",
+        ),
+        (
+            f"round trips per {RENEWED_LEASES:,}-lease renewal pass, client",
+            _num(ours.client_trips_per_renewal, 0),
+            _num(theirs.client_trips_per_renewal, 0),
+            f"{MAX_TRIPS_PER_RENEWAL}",
+            _verdict(ours.client_trips_per_renewal, lambda v: v <= MAX_TRIPS_PER_RENEWAL),
+        ),
+        (
+            f"round trips per {RENEWED_LEASES:,}-lease renewal pass, server (MONITOR)",
+            _num(ours.server_trips_per_renewal, 0),
+            _num(theirs.server_trips_per_renewal, 0),
+            f"{MAX_TRIPS_PER_RENEWAL}",
+            _verdict(ours.server_trips_per_renewal, lambda v: v <= MAX_TRIPS_PER_RENEWAL),
+        ),
+        (
+            f"time per {RENEWED_LEASES:,}-lease renewal pass (median)",
+            f"{ours.seconds_per_renewal * 1e3:.2f} ms",
+            f"{theirs.seconds_per_renewal * 1e3:.2f} ms",
+            "—",
+            "info",
+        ),
+        (
+            f"Redis used_memory per held lease ({MEMORY_LEASES:,} leases; ours incl. fence key)",
+            f"{ours.bytes_per_lease:,.0f} B",
+            f"{theirs.bytes_per_lease:,.0f} B",
+            f"a few hundred bytes (≤ {MAX_BYTES_PER_LEASE} B)",
+            _verdict(ours.bytes_per_lease, lambda v: v <= MAX_BYTES_PER_LEASE),
+        ),
+    ]
+    lines = [
+        "| measure | celery_singleflight | redis-py Lock | budget | verdict |",
+        "|---|---:|---:|---|---|",
+        *(f"| {' | '.join(row)} |" for row in rows),
+    ]
+    return "\n".join(lines)
+
+
+def parser_description() -> str:
+    if HIREDIS_AVAILABLE:
+        return f"{DefaultParser.__name__} (hiredis {importlib.metadata.version('hiredis')})"
+    return f"{DefaultParser.__name__} (pure Python; hiredis not installed)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each timed measurement")
+    parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
+    args = parser.parse_args()
+
+    private = None if args.redis_url else RedisServer().start()
+    url: str = args.redis_url if private is None else private.url
+    namespace = f"sfbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    server = Server(url)
+    contenders: list[Contender] = []
+    try:
+        print(f"python {platform.python_version()}, redis-py {redis.__version__}, "
+              f"parser {parser_description()}")
+        print(f"redis-server {server.version()} at {url} "
+              f"({'private, started by this benchmark' if private else 'given by --redis-url'}), "
+              f"namespace {namespace!r}, {os.cpu_count()} CPUs, TTL {TTL:g} s")
+        if not private:
+            print("note: INFO counts and used_memory include whatever else this server is doing")
+        ours = Singleflight(url, namespace)
+        contenders.append(ours)
+        ours_results = measure(ours, server, args.seconds)
+        theirs = RedisPyLock(url, namespace)
+        contenders.append(theirs)
+        theirs_results = measure(theirs, server, args.seconds)
+        print()
+        print(table(ours_results, theirs_results, args.seconds))
+        print()
+        print("verdict is for celery_singleflight; redis-py Lock is the baseline. "
+              "Renewal for redis-py Lock = one reacquire() per lock (it has no batch renewal).")
+    finally:
+        deleted = server.delete_namespace(namespace)
+        print(f"cleanup: deleted {deleted:,} keys under {namespace}:*")
+        for contender in contenders:
+            contender.client.close()
+        server.admin.close()
+        if private is not None:
+            private.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

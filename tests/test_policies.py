@@ -1,0 +1,123 @@
+"""Duplicate policies on real workers: truthful terminal outcomes and zero overlap per key."""
+
+from __future__ import annotations
+
+import random
+import time
+from types import ModuleType
+
+import pytest
+from celery.result import AsyncResult
+
+from celery_singleflight import LockHeld, is_skipped
+from celery_singleflight.testing import WorkerProcess
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.worker
+
+
+def start_holder(sfapp: ModuleType, key: str, seconds: float) -> AsyncResult:
+    holder = sfapp.hold_raise.delay(key, seconds)
+    wait_for(lambda: sfapp.recorder.llen(f"runs:{key}") >= 1, timeout=15)
+    return holder
+
+
+def test_raise_fails_with_key_holder_and_time_left(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    holder = start_holder(sfapp, "r", 1.5)
+    dup = sfapp.hold_raise.delay("r")
+    with pytest.raises(LockHeld) as info:
+        dup.get(timeout=15)
+    assert dup.state == "FAILURE" and dup.ready()
+    assert info.value.key == sfapp.hold_raise.render_key("r")
+    assert info.value.holder == holder.id
+    assert info.value.ttl_left is not None and 0 < info.value.ttl_left <= 30
+    holder.get(timeout=15)
+
+
+def test_skip_ends_successfully_and_says_why(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    holder = start_holder(sfapp, "s", 1.5)
+    dup = sfapp.hold_skip.delay("s")
+    outcome = dup.get(timeout=15)
+    assert dup.state == "SUCCESS"
+    assert is_skipped(outcome)
+    assert outcome["holder"] == holder.id and outcome["key"] == 'k:"s"'
+    assert sfapp.recorder.llen("runs:s") == 1  # the duplicate did not run
+    log = shared_worker.log()
+    assert "held by" in log and "skipped" in log
+    assert "ERROR" not in log.split(dup.id)[-1].split("\n")[0]
+    holder.get(timeout=15)
+
+
+def test_retry_runs_after_the_holder_without_spending_max_retries(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    holder = start_holder(sfapp, "t", 1.0)
+    dup = sfapp.hold_retry.delay("t", 0.05)
+    wait_for(lambda: dup.state == "RETRY", timeout=10)
+    assert dup.get(timeout=30)["key"] == "t"
+    assert holder.ready()
+    runs = sfapp.recorder.lrange("runs:t", 0, -1)
+    assert runs == [holder.id.encode(), dup.id.encode()]
+    assert sfapp.recorder.llen("overlaps") == 0
+
+
+def test_retry_gives_up_after_max_wait_as_raise_would(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    holder = start_holder(sfapp, "u", 3.0)
+    dup = sfapp.hold_retry_short.delay("u")
+    with pytest.raises(LockHeld):
+        dup.get(timeout=15)
+    assert sfapp.recorder.llen("runs:u") == 1
+    holder.get(timeout=15)
+
+
+def test_redelivery_of_the_running_task_does_not_run_again(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    """Given a running task, when the broker delivers the same task id again (visibility timeout),
+    then the second delivery does not run and the first one's result stands."""
+    holder = start_holder(sfapp, "again", 1.5)
+    sfapp.hold_skip.apply_async(("again",), task_id=holder.id)
+    assert holder.get(timeout=15)["key"] == "again"
+    time.sleep(0.3)
+    assert sfapp.recorder.lrange("runs:again", 0, -1) == [holder.id.encode()]
+    assert "redelivery" in shared_worker.log()
+
+
+def test_two_workers_200_tasks_each_policy_zero_overlap_all_accounted(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given 2 prefork workers (3 processes each) and 200 tasks over 5 keys with mixed policies,
+    then no key ever has two runs at once and every task ends in an explained terminal state."""
+    for _ in range(2):
+        start_worker(concurrency=3)  # type: ignore[operator]
+    rng = random.Random(7)
+    tasks = [sfapp.hold_raise, sfapp.hold_skip, sfapp.hold_retry]
+    sent: list[tuple[str, AsyncResult]] = []
+    for i in range(200):
+        task = tasks[i % 3]
+        sent.append((task.name, task.delay(f"m{rng.randrange(5)}", rng.uniform(0.005, 0.05))))
+    ran = skipped = raised = 0
+    for name, result in sent:
+        try:
+            value = result.get(timeout=120)
+        except LockHeld:
+            assert name.endswith("hold_raise") or name.endswith("hold_retry")
+            raised += 1
+            continue
+        if is_skipped(value):
+            assert name.endswith("hold_skip")
+            skipped += 1
+        else:
+            ran += 1
+    assert all(result.ready() for _, result in sent)
+    assert ran + skipped + raised == 200
+    recorded = sfapp.recorder.llen("runs")
+    assert recorded == ran, (recorded, ran)
+    retry_runs = sum(1 for name, r in sent if name.endswith("hold_retry") and r.successful())
+    assert retry_runs == len([1 for name, _ in sent if name.endswith("hold_retry")])
+    assert sfapp.recorder.llen("overlaps") == 0
+    for k in range(5):
+        assert sfapp.hold_raise.store.holder_record(f'k:"m{k}"') == {}

@@ -1,0 +1,72 @@
+"""Heartbeat, lost leases and Redis outages, seen from a real worker."""
+
+from __future__ import annotations
+
+import time
+from types import ModuleType
+
+import pytest
+
+from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.worker
+
+
+def test_task_running_three_ttls_keeps_its_lease(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    """Given a 1.5 s TTL, when the task runs 4.5 s, then its lease is held the whole time."""
+    result = sfapp.heartbeat_check.delay("hb", 4.5)
+    key = sfapp.heartbeat_check.store.lease_key(sfapp.heartbeat_check.render_key("hb"))
+    db = redis_server.client(2)
+    wait_for(lambda: db.exists(key), timeout=15)
+    seen = time.monotonic()
+    while time.monotonic() - seen < 4.0:  # the run lasts 4.5 s from just before `seen`
+        assert db.exists(key), "lease expired while the task was running"
+        time.sleep(0.02)
+    assert result.get(timeout=5)["lost"] is False
+
+
+def test_lease_deleted_behind_its_back_is_reported_lost(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    result = sfapp.loses_lease.delay("lost")
+    wait_for(lambda: sfapp.recorder.get("started:lost"), timeout=15)
+    redis_server.client(2).delete(
+        sfapp.loses_lease.store.lease_key(sfapp.loses_lease.render_key("lost"))
+    )
+    outcome = result.get(timeout=15)
+    assert outcome["lost"] is True and outcome["error"] == "LeaseLost"
+    assert "lost" in outcome["message"]
+    wait_for(lambda: "lease lost" in shared_worker.log(), timeout=5)
+
+
+def test_fail_closed_does_not_run_unguarded_and_resumes_when_redis_returns(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given the lease Redis is down, the task is retried later (RETRY), never run unguarded;
+    when Redis comes back on that port, it runs."""
+    port = free_port()
+    start_worker(  # type: ignore[operator]
+        concurrency=1,
+        env={"SF_TEST_LEASE_REDIS": f"redis://127.0.0.1:{port}/2", "SF_TEST_REDIS_RETRY": "0.5"},
+    )
+    result = sfapp.hold_raise.delay("closed", 0.01)
+    wait_for(lambda: result.state == "RETRY", timeout=20)
+    assert sfapp.recorder.llen("runs:closed") == 0
+    lease_redis = RedisServer(port=port).start()
+    try:
+        assert result.get(timeout=30)["key"] == "closed"
+        assert sfapp.recorder.llen("runs:closed") == 1
+    finally:
+        lease_redis.close()
+
+
+def test_fail_open_runs_with_a_warning(sfapp: ModuleType, start_worker: object) -> None:
+    worker: WorkerProcess = start_worker(  # type: ignore[operator]
+        concurrency=1, env={"SF_TEST_LEASE_REDIS": f"redis://127.0.0.1:{free_port()}/2"}
+    )
+    assert sfapp.open_on_error.delay("open").get(timeout=30) == "ran"
+    assert "UNGUARDED" in worker.log()
