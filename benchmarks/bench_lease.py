@@ -39,12 +39,13 @@ import platform
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import redis
-from redis.connection import DefaultParser
+from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
 
@@ -59,6 +60,7 @@ COUNTED_PAIRS = 1_000  # pairs whose round trips and commands are counted
 RENEWED_LEASES = 1_000
 MEMORY_LEASES = 10_000
 BATCH = 100  # pairs between two looks at the clock
+SLICE = 0.5  # seconds per turn when throughput measurements alternate
 
 MIN_PAIRS_PER_SECOND = 10_000
 MAX_TRIPS_PER_PAIR = 2
@@ -183,6 +185,17 @@ class Results:
     bytes_per_lease: float
 
 
+T = TypeVar("T")
+
+
+def _unless_refused(call: Callable[[], T]) -> T | None:
+    """``call()``, or None if the server refuses the command (e.g. an ACL without MONITOR)."""
+    try:
+        return call()
+    except redis.ResponseError:
+        return None
+
+
 class Server:
     """The Redis under test, seen through connections that are never counted."""
 
@@ -206,30 +219,32 @@ class Server:
         """Run ``work`` once; return its round trips (client, server) and server commands.
 
         Server round trips are the MONITOR lines of ``contender``'s connection (a script's own
-        ``redis.call``s are ``[lua]`` lines and do not count); None if MONITOR or INFO is
-        refused (ACL) or the connection is a unix socket, whose MONITOR lines carry no peer.
+        ``redis.call``s are ``[lua]`` lines and do not count). Server figures are None when
+        MONITOR or INFO is refused (ACL) or for a unix socket, whose MONITOR lines name no peer.
         """
         addr = str(contender.client.client_info()["addr"])  # before the client-side count
-        by_peer = "path" not in contender.client.connection_pool.connection_kwargs  # not unix
+        by_peer = "path" not in contender.client.connection_pool.connection_kwargs
         trips_before = contender.trips.count
-        watcher = redis.Redis.from_url(self.url, socket_timeout=60)
+        with redis.Redis.from_url(self.url, socket_timeout=60) as watcher, ExitStack() as stack:
+            monitor: Monitor | None = _unless_refused(lambda: stack.enter_context(watcher.monitor()))
+            commands_before = _unless_refused(self.commands_processed)
+            work()
+            commands_after = _unless_refused(self.commands_processed)
+            client_trips = contender.trips.count - trips_before
+            server_trips = self._lines_from(monitor, addr) if monitor is not None and by_peer else None
+        if commands_before is None or commands_after is None:
+            return client_trips, server_trips, None
+        return client_trips, server_trips, commands_after - commands_before - self.info_cost
+
+    def _lines_from(self, monitor: Monitor, addr: str) -> int:
+        """MONITOR lines sent from ``addr`` until now (an ECHO of ours marks the end)."""
         sentinel = f"bench-lease-end-{uuid.uuid4().hex}"
-        try:
-            with watcher.monitor() as monitor:  # type: ignore[no-untyped-call]
-                commands_before = self.commands_processed()
-                work()
-                commands = self.commands_processed() - commands_before - self.info_cost
-                client_trips = contender.trips.count - trips_before
-                self.admin.echo(sentinel)
-                server_trips = 0
-                while sentinel not in (entry := monitor.next_command())["command"]:
-                    if f"{entry['client_address']}:{entry['client_port']}" == addr:
-                        server_trips += 1
-        except redis.ResponseError:
-            return contender.trips.count - trips_before, None, None
-        finally:
-            watcher.close()
-        return client_trips, (server_trips if by_peer else None), commands
+        self.admin.echo(sentinel)
+        lines = 0
+        while sentinel not in (entry := monitor.next_command())["command"]:  # type: ignore[no-untyped-call]
+            if f"{entry['client_address']}:{entry['client_port']}" == addr:
+                lines += 1
+        return lines
 
     def delete_namespace(self, namespace: str) -> int:
         """Delete the keys under ``namespace:`` (ours only) and return how many there were."""
@@ -245,7 +260,8 @@ class Server:
         return deleted
 
 
-def pairs_per_second(contender: Contender, seconds: float) -> float:
+def timed_pairs(contender: Contender, seconds: float) -> tuple[int, float]:
+    """Run pairs for about ``seconds``; return how many ran and how long they took."""
     pair = contender.pair
     done = 0
     start = time.perf_counter()
@@ -256,7 +272,25 @@ def pairs_per_second(contender: Contender, seconds: float) -> float:
         done += BATCH
         now = time.perf_counter()
         if now >= deadline:
-            return done / (now - start)
+            return done, now - start
+
+
+def pairs_per_second(contenders: Sequence[Contender], seconds: float) -> list[float]:
+    """Pairs/s of each contender over ``seconds`` each, run in alternating slices.
+
+    Interleaving (A B, B A, A B, ...) makes drift of a shared or throttled CPU hit every
+    contender alike instead of whichever happened to run second.
+    """
+    slices = max(2, round(seconds / SLICE))
+    done = [0] * len(contenders)
+    spent = [0.0] * len(contenders)
+    for i in range(slices):
+        order = range(len(contenders)) if i % 2 == 0 else reversed(range(len(contenders)))
+        for j in order:
+            pairs, elapsed = timed_pairs(contenders[j], seconds / slices)
+            done[j] += pairs
+            spent[j] += elapsed
+    return [pairs / elapsed for pairs, elapsed in zip(done, spent, strict=True)]
 
 
 def seconds_per_renewal(contender: Contender, seconds: float) -> float:
@@ -270,10 +304,8 @@ def seconds_per_renewal(contender: Contender, seconds: float) -> float:
     return statistics.median(timings)
 
 
-def measure(contender: Contender, server: Server, seconds: float) -> Results:
-    for _ in range(WARMUP_PAIRS):
-        contender.pair()
-    rate = pairs_per_second(contender, seconds)
+def measure(contender: Contender, server: Server, seconds: float, rate: float) -> Results:
+    """Everything but the throughput (``rate``, measured interleaved beforehand)."""
 
     def counted_pairs() -> None:
         for _ in range(COUNTED_PAIRS):
@@ -376,10 +408,52 @@ def table(ours: Results, theirs: Results, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def parser_description() -> str:
-    if HIREDIS_AVAILABLE:
-        return f"{DefaultParser.__name__} (hiredis {importlib.metadata.version('hiredis')})"
-    return f"{DefaultParser.__name__} (pure Python; hiredis not installed)"
+def parser_description(client: redis.Redis) -> str:
+    """The reply parser the client's connection really uses (redis-py 8 defaults to RESP3)."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        name = type(getattr(conn, "_parser", None)).__name__  # private, but the only ground truth
+        protocol = getattr(conn, "protocol", "?")
+    finally:
+        pool.release(conn)
+    hiredis = (f"hiredis {importlib.metadata.version('hiredis')} installed" if HIREDIS_AVAILABLE
+               else "hiredis not installed")
+    return f"{name}, RESP{protocol} ({hiredis})"
+
+
+def run(url: str, seconds: float, private: bool) -> None:
+    namespace = f"sfbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    server = Server(url)
+    contenders: list[Contender] = []
+    try:
+        print(f"redis-server {server.version()} at {url} "
+              f"({'private, started by this benchmark' if private else 'given by --redis-url'}), "
+              f"namespace {namespace!r}, {os.cpu_count()} CPUs, TTL {TTL:g} s")
+        if not private:
+            print("note: INFO counts and used_memory include whatever else this server is doing")
+        ours = Singleflight(url, namespace)
+        theirs = RedisPyLock(url, namespace)
+        contenders += [ours, theirs]
+        for contender in contenders:
+            for _ in range(WARMUP_PAIRS):  # connects, and loads the scripts (NOSCRIPT -> SCRIPT LOAD)
+                contender.pair()
+        print(f"python {platform.python_version()}, redis-py {redis.__version__}, "
+              f"parser {parser_description(ours.client)}")
+        ours_rate, theirs_rate = pairs_per_second(contenders, seconds)
+        ours_results = measure(ours, server, seconds, ours_rate)
+        theirs_results = measure(theirs, server, seconds, theirs_rate)
+        print()
+        print(table(ours_results, theirs_results, seconds))
+        print()
+        print("Verdicts are for celery_singleflight; redis-py Lock is the baseline. Its renewal pass "
+              f"is {RENEWED_LEASES:,} reacquire() calls: it has no batch renewal.")
+    finally:
+        deleted = server.delete_namespace(namespace)
+        print(f"cleanup: deleted {deleted:,} keys under {namespace}:*")
+        for contender in contenders:
+            contender.client.close()
+        server.admin.close()
 
 
 def main() -> int:
@@ -387,39 +461,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each timed measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
     args = parser.parse_args()
-
-    private = None if args.redis_url else RedisServer().start()
-    url: str = args.redis_url if private is None else private.url
-    namespace = f"sfbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    server = Server(url)
-    contenders: list[Contender] = []
+    if args.redis_url:
+        run(args.redis_url, args.seconds, private=False)
+        return 0
+    server = RedisServer().start()
     try:
-        print(f"python {platform.python_version()}, redis-py {redis.__version__}, "
-              f"parser {parser_description()}")
-        print(f"redis-server {server.version()} at {url} "
-              f"({'private, started by this benchmark' if private else 'given by --redis-url'}), "
-              f"namespace {namespace!r}, {os.cpu_count()} CPUs, TTL {TTL:g} s")
-        if not private:
-            print("note: INFO counts and used_memory include whatever else this server is doing")
-        ours = Singleflight(url, namespace)
-        contenders.append(ours)
-        ours_results = measure(ours, server, args.seconds)
-        theirs = RedisPyLock(url, namespace)
-        contenders.append(theirs)
-        theirs_results = measure(theirs, server, args.seconds)
-        print()
-        print(table(ours_results, theirs_results, args.seconds))
-        print()
-        print("verdict is for celery_singleflight; redis-py Lock is the baseline. "
-              "Renewal for redis-py Lock = one reacquire() per lock (it has no batch renewal).")
+        run(server.url, args.seconds, private=True)
     finally:
-        deleted = server.delete_namespace(namespace)
-        print(f"cleanup: deleted {deleted:,} keys under {namespace}:*")
-        for contender in contenders:
-            contender.client.close()
-        server.admin.close()
-        if private is not None:
-            private.close()
+        server.close()
     return 0
 
 
