@@ -121,3 +121,28 @@ def test_two_workers_200_tasks_each_policy_zero_overlap_all_accounted(
     assert sfapp.recorder.llen("overlaps") == 0
     for k in range(5):
         assert sfapp.hold_raise.store.holder_record(f'k:"m{k}"') == {}
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_threads_and_solo_pools(sfapp: ModuleType, start_worker: object, pool: str) -> None:
+    """Given a threads (4 threads in one process) or solo worker, duplicates get their policy,
+    nothing overlaps and every key is free at the end."""
+    start_worker(concurrency=4 if pool == "threads" else 1, pool=pool)  # type: ignore[operator]
+    if pool == "solo":
+        # one run at a time: duplicates are only seen through a second worker, so the solo
+        # worker here checks that acquire and release work on the worker's own thread
+        assert sfapp.hold_raise.delay("solo", 0.01).get(timeout=15)["key"] == "solo"
+        assert sfapp.retry_once.delay("solo-retry").get(timeout=15) == 1
+        assert sfapp.hold_raise.store.holder_record('k:"solo"') == {}
+        return
+    holder = start_holder(sfapp, "th", 1.0)
+    raised = sfapp.hold_raise.delay("th")
+    skipped = sfapp.hold_skip.delay("th")
+    retried = sfapp.hold_retry.delay("th", 0.01)
+    with pytest.raises(LockHeld):
+        raised.get(timeout=15)
+    assert is_skipped(skipped.get(timeout=15))
+    assert retried.get(timeout=30)["key"] == "th"
+    holder.get(timeout=15)
+    assert sfapp.recorder.llen("overlaps") == 0
+    assert sfapp.hold_raise.store.holder_record('k:"th"') == {}
