@@ -138,3 +138,9 @@ def loses_lease(self, key):
 @app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_redis_error="fail_open")
 def open_on_error(self, key):
     return "ran"
+
+
+@app.task(base=SingleFlightTask, lock_key="plain:<x>")
+def plain(x, y=1):
+    """Not bound: the key is built from the function's own signature."""
+    return [x, y]

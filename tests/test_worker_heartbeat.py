@@ -70,3 +70,21 @@ def test_fail_open_runs_with_a_warning(sfapp: ModuleType, start_worker: object) 
     )
     assert sfapp.open_on_error.delay("open").get(timeout=30) == "ran"
     assert "UNGUARDED" in worker.log()
+
+
+def test_bad_setting_stops_the_worker_at_start(sfapp: ModuleType, redis_server: RedisServer) -> None:
+    """Given a negative TTL in the app's settings, the worker refuses to start and says why."""
+    from celery_singleflight.testing import WorkerProcess
+
+    from .conftest import TESTS, worker_env
+
+    worker = WorkerProcess("sfapp", concurrency=1, cwd=str(TESTS),
+                           env=worker_env(redis_server, SF_TEST_TTL="-1"))
+    with pytest.raises(RuntimeError, match="exited"):
+        worker.start(timeout=60)
+    assert "singleflight_ttl" in worker.log() and "more than zero" in worker.log()
+
+
+def test_unbound_task_uses_its_function_signature(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    assert sfapp.plain.render_key(3) == sfapp.plain.render_key(x=3, y=1) == "plain:3"
+    assert sfapp.plain.delay(3).get(timeout=15) == [3, 1]
