@@ -7,7 +7,9 @@ measured side by side as the baseline (it is what people would use instead):
 
 1. uncontended acquire + release pairs per second. Both sides do what one task run does: a
    fresh token (``uuid4`` for us as in ``task.py``, ``uuid1`` inside ``Lock.acquire``) and a
-   fresh ``Holder``/``Lock`` object per pair, on the same key (it is released each time);
+   fresh ``Holder``/``Lock`` object per pair, on the same key (it is released each time).
+   The two run in alternating half-second slices, together with two bare PINGs per "pair":
+   the ceiling any 2-round-trip design can reach with this client on this machine;
 2. Redis round trips per pair, counted on the client (see :class:`RoundTrips`) and by the
    server: MONITOR lines sent by our connection (top-level commands; the ``redis.call``s a
    script makes show up as ``[lua]`` lines and are not round trips). Next to it,
@@ -96,7 +98,7 @@ class RoundTrips:
 
 
 class Contender(Protocol):
-    """One lock implementation, driven through the same four operations."""
+    """One lock implementation, driven through the same three operations."""
 
     name: str
     client: redis.Redis
@@ -260,9 +262,8 @@ class Server:
         return deleted
 
 
-def timed_pairs(contender: Contender, seconds: float) -> tuple[int, float]:
-    """Run pairs for about ``seconds``; return how many ran and how long they took."""
-    pair = contender.pair
+def timed_pairs(pair: Callable[[], None], seconds: float) -> tuple[int, float]:
+    """Run ``pair`` for about ``seconds``; return how many ran and how long they took."""
     done = 0
     start = time.perf_counter()
     deadline = start + seconds
@@ -275,22 +276,22 @@ def timed_pairs(contender: Contender, seconds: float) -> tuple[int, float]:
             return done, now - start
 
 
-def pairs_per_second(contenders: Sequence[Contender], seconds: float) -> list[float]:
-    """Pairs/s of each contender over ``seconds`` each, run in alternating slices.
+def pairs_per_second(pairs: Sequence[Callable[[], None]], seconds: float) -> list[float]:
+    """Rate of each of ``pairs`` over ``seconds`` each, run in alternating slices.
 
-    Interleaving (A B, B A, A B, ...) makes drift of a shared or throttled CPU hit every
-    contender alike instead of whichever happened to run second.
+    Interleaving (A B C, C B A, A B C, ...) makes drift of a shared or throttled CPU hit
+    every contender alike instead of whichever happened to run last.
     """
     slices = max(2, round(seconds / SLICE))
-    done = [0] * len(contenders)
-    spent = [0.0] * len(contenders)
+    done = [0] * len(pairs)
+    spent = [0.0] * len(pairs)
     for i in range(slices):
-        order = range(len(contenders)) if i % 2 == 0 else reversed(range(len(contenders)))
+        order = range(len(pairs)) if i % 2 == 0 else reversed(range(len(pairs)))
         for j in order:
-            pairs, elapsed = timed_pairs(contenders[j], seconds / slices)
-            done[j] += pairs
+            count, elapsed = timed_pairs(pairs[j], seconds / slices)
+            done[j] += count
             spent[j] += elapsed
-    return [pairs / elapsed for pairs, elapsed in zip(done, spent, strict=True)]
+    return [count / elapsed for count, elapsed in zip(done, spent, strict=True)]
 
 
 def seconds_per_renewal(contender: Contender, seconds: float) -> float:
@@ -440,7 +441,13 @@ def run(url: str, seconds: float, private: bool) -> None:
                 contender.pair()
         print(f"python {platform.python_version()}, redis-py {redis.__version__}, "
               f"parser {parser_description(ours.client)}")
-        ours_rate, theirs_rate = pairs_per_second(contenders, seconds)
+        ping = ours.client.ping
+
+        def two_pings() -> None:  # the cheapest conceivable 2-round-trip pair with this client
+            ping()
+            ping()
+
+        ours_rate, theirs_rate, ceiling = pairs_per_second([ours.pair, theirs.pair, two_pings], seconds)
         ours_results = measure(ours, server, seconds, ours_rate)
         theirs_results = measure(theirs, server, seconds, theirs_rate)
         print()
@@ -448,6 +455,8 @@ def run(url: str, seconds: float, private: bool) -> None:
         print()
         print("Verdicts are for celery_singleflight; redis-py Lock is the baseline. Its renewal pass "
               f"is {RENEWED_LEASES:,} reacquire() calls: it has no batch renewal.")
+        print(f"Ceiling for any 2-round-trip pair with this client: two PINGs = {ceiling:,.0f}/s "
+              f"({1e6 / ceiling:.1f} µs), measured interleaved with the pairs above.")
     finally:
         deleted = server.delete_namespace(namespace)
         print(f"cleanup: deleted {deleted:,} keys under {namespace}:*")

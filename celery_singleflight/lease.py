@@ -32,14 +32,25 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+_HOST = socket.gethostname()
+
+
+def _pid() -> int:
+    return _PID[0]
+
+
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
 @dataclass(frozen=True)
 class Holder:
-    """Who is asking for (or holds) a lease."""
+    """Who is asking for (or holds) a lease. Host and pid are read once per process."""
 
     task_id: str
     worker: str = ""
-    host: str = field(default_factory=socket.gethostname)
-    pid: int = field(default_factory=os.getpid)
+    host: str = _HOST
+    pid: int = field(default_factory=_pid)
 
 
 @dataclass(frozen=True)

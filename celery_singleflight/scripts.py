@@ -18,18 +18,16 @@ ACQUIRE = """
 -- ARGV[4] - holder host
 -- ARGV[5] - holder pid
 -- ARGV[6] - holder worker node name
--- ARGV[7] - fence counter TTL, milliseconds
+-- ARGV[7] - fence counter TTL, milliseconds (set when the counter is seeded)
 -- return {1, fence, since_ms} if acquired, {0, holder task id, lease ms left} if held
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('HGET', KEYS[1], 'task_id') or '', redis.call('PTTL', KEYS[1])}
 end
 local now = redis.call('TIME')
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  -- seeded from the clock so a fence keeps growing after Redis lost its data
-  redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])))
-end
+-- a missing counter is seeded from the clock (microseconds), so fences keep growing after
+-- Redis lost its data or the counter expired; INCR keeps the TTL set here
+redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'NX', 'PX', ARGV[7])
 local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[7])
 local since = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'worker', ARGV[6], 'fence', string.format('%.0f', fence), 'since', since)

@@ -40,7 +40,8 @@ def describe(result: Any) -> tuple[str, str]:
     except LockHeld as exc:
         return "FAILURE", f"held back: {exc}"
     if is_skipped(value):
-        return "SUCCESS", f"skipped: {value['key']} held by {value['holder'][:8]} ({value['ttl_left']:.1f}s left)"
+        holder = value["holder"][:8]
+        return "SUCCESS", f"skipped: {value['key']} held by {holder} ({value['ttl_left']:.1f}s left)"
     return result.state, f"ran with fence {value['fence']}"
 
 
@@ -51,9 +52,9 @@ def main() -> int:
     server = None if opts.redis_url else embedded_redis()
     url = opts.redis_url or server.url
     os.environ["DEMO_REDIS_URL"] = url
-    from celery_singleflight.testing import WorkerProcess
+    import proj  # reads DEMO_REDIS_URL
 
-    import proj
+    from celery_singleflight.testing import WorkerProcess
 
     worker = WorkerProcess(
         "proj", concurrency=8, cwd=str(HERE), loglevel="WARNING",
