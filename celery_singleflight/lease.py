@@ -106,10 +106,14 @@ class Lease:
         if self.lost:
             raise LeaseLost(self.key, self.lost_reason)
 
-    def mark_lost(self, reason: str) -> None:
-        """Record the loss once: flag, warning log and ``lease_lost`` signal."""
+    def mark_lost(self, reason: str, *, at_release: bool = False) -> None:
+        """Record the loss once: flag, warning log and ``lease_lost`` signal.
+
+        After the run released its lease, a late renewal reply must not report a loss, so only
+        the release itself (``at_release``) may report one then.
+        """
         with self._guard:
-            if self.lost or self.released:
+            if self.lost or (self.released and not at_release):
                 return
             self.lost = True
             self.lost_reason = reason

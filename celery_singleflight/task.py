@@ -212,10 +212,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 lease.key, self.name, lease.task_id, lease.ttl, exc,
             )
             return
-        if not ours and not lease.lost:
-            lease.released = False
-            lease.mark_lost("the lease was gone when the run ended")
-            lease.released = True
+        if not ours:
+            lease.mark_lost("the lease was gone when the run ended", at_release=True)
         log_release.debug("released key=%r task=%s[%s] (%s)", lease.key, self.name, lease.task_id, reason)
         signals.lease_released.send(sender=self.name, lease=lease, reason=reason)
 

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -66,11 +67,15 @@ def start_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Calla
     started: list[WorkerProcess] = []
 
     def start(concurrency: int = 4, pool: str = "prefork", env: dict[str, str] | None = None,
-              extra: tuple[str, ...] = (), wait: bool = True) -> WorkerProcess:
+              extra: tuple[str, ...] = (), wait: bool = True, queue: str | None = None) -> WorkerProcess:
+        """Each worker consumes its own queue (``worker.queue``) unless one is given, so tasks
+        sent there never reach another test's worker."""
+        queue = queue or f"q-{uuid.uuid4().hex[:12]}"
         worker = WorkerProcess(
             "sfapp", pool=pool, concurrency=concurrency, cwd=str(TESTS),
-            env=worker_env(redis_server, **(env or {})), extra=extra,
+            env=worker_env(redis_server, **(env or {})), extra=("-Q", queue, *extra),
         )
+        worker.queue = queue  # type: ignore[attr-defined]
         started.append(worker)
         return worker.start(sfapp.app if wait else None)
 

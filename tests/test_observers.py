@@ -61,12 +61,12 @@ def test_flower_shows_every_duplicate_as_finished(
 ) -> None:
     """Given a worker sending events and a real Flower, each duplicate outcome reaches a
     finished state in Flower: raise -> FAILURE, skip -> SUCCESS, retry -> SUCCESS after it ran."""
-    start_worker(concurrency=3, extra=("-E",))  # type: ignore[operator]
-    holder = sfapp.hold_raise.delay("flower", 1.5)
+    q = start_worker(concurrency=3, extra=("-E",)).queue  # type: ignore[operator]
+    holder = sfapp.hold_raise.apply_async(("flower", 1.5), queue=q)
     wait_for(lambda: sfapp.recorder.llen("runs:flower") >= 1, timeout=15)
-    raised = sfapp.hold_raise.delay("flower")
-    skipped = sfapp.hold_skip.delay("flower")
-    retried = sfapp.hold_retry.delay("flower", 0.01)
+    raised = sfapp.hold_raise.apply_async(("flower",), queue=q)
+    skipped = sfapp.hold_skip.apply_async(("flower",), queue=q)
+    retried = sfapp.hold_retry.apply_async(("flower", 0.01), queue=q)
     expected = {holder.id: "SUCCESS", raised.id: "FAILURE", skipped.id: "SUCCESS", retried.id: "SUCCESS"}
     for result in (holder, skipped, retried):
         result.get(timeout=30)

@@ -17,8 +17,8 @@ from .conftest import wait_for
 pytestmark = pytest.mark.worker
 
 
-def start_holder(sfapp: ModuleType, key: str, seconds: float) -> AsyncResult:
-    holder = sfapp.hold_raise.delay(key, seconds)
+def start_holder(sfapp: ModuleType, key: str, seconds: float, queue: str | None = None) -> AsyncResult:
+    holder = sfapp.hold_raise.apply_async((key, seconds), queue=queue)
     wait_for(lambda: sfapp.recorder.llen(f"runs:{key}") >= 1, timeout=15)
     return holder
 
@@ -91,14 +91,16 @@ def test_two_workers_200_tasks_each_policy_zero_overlap_all_accounted(
 ) -> None:
     """Given 2 prefork workers (3 processes each) and 200 tasks over 5 keys with mixed policies,
     then no key ever has two runs at once and every task ends in an explained terminal state."""
+    q = "two-workers"
     for _ in range(2):
-        start_worker(concurrency=3)  # type: ignore[operator]
+        start_worker(concurrency=3, queue=q)  # type: ignore[operator]
     rng = random.Random(7)
     tasks = [sfapp.hold_raise, sfapp.hold_skip, sfapp.hold_retry]
     sent: list[tuple[str, AsyncResult]] = []
     for i in range(200):
         task = tasks[i % 3]
-        sent.append((task.name, task.delay(f"m{rng.randrange(5)}", rng.uniform(0.005, 0.05))))
+        args = (f"m{rng.randrange(5)}", rng.uniform(0.005, 0.05))
+        sent.append((task.name, task.apply_async(args, queue=q)))
     ran = skipped = raised = 0
     for name, result in sent:
         try:
@@ -127,18 +129,18 @@ def test_two_workers_200_tasks_each_policy_zero_overlap_all_accounted(
 def test_threads_and_solo_pools(sfapp: ModuleType, start_worker: object, pool: str) -> None:
     """Given a threads (4 threads in one process) or solo worker, duplicates get their policy,
     nothing overlaps and every key is free at the end."""
-    start_worker(concurrency=4 if pool == "threads" else 1, pool=pool)  # type: ignore[operator]
+    q = start_worker(concurrency=4 if pool == "threads" else 1, pool=pool).queue  # type: ignore[operator]
     if pool == "solo":
         # one run at a time: duplicates are only seen through a second worker, so the solo
         # worker here checks that acquire and release work on the worker's own thread
-        assert sfapp.hold_raise.delay("solo", 0.01).get(timeout=15)["key"] == "solo"
-        assert sfapp.retry_once.delay("solo-retry").get(timeout=15) == 1
+        assert sfapp.hold_raise.apply_async(("solo", 0.01), queue=q).get(timeout=15)["key"] == "solo"
+        assert sfapp.retry_once.apply_async(("solo-retry",), queue=q).get(timeout=15) == 1
         assert sfapp.hold_raise.store.holder_record('k:"solo"') == {}
         return
-    holder = start_holder(sfapp, "th", 1.0)
-    raised = sfapp.hold_raise.delay("th")
-    skipped = sfapp.hold_skip.delay("th")
-    retried = sfapp.hold_retry.delay("th", 0.01)
+    holder = start_holder(sfapp, "th", 1.0, queue=q)
+    raised = sfapp.hold_raise.apply_async(("th",), queue=q)
+    skipped = sfapp.hold_skip.apply_async(("th",), queue=q)
+    retried = sfapp.hold_retry.apply_async(("th", 0.01), queue=q)
     with pytest.raises(LockHeld):
         raised.get(timeout=15)
     assert is_skipped(skipped.get(timeout=15))

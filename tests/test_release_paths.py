@@ -104,7 +104,7 @@ def test_warm_shutdown_lets_the_run_finish_and_release(
     sfapp: ModuleType, start_worker: object
 ) -> None:
     worker: WorkerProcess = start_worker(concurrency=1)  # type: ignore[operator]
-    result = sfapp.sleeper.delay("warm", 1.5)
+    result = sfapp.sleeper.apply_async(("warm", 1.5), queue=worker.queue)
     wait_running(sfapp, "warm")
     worker.stop(timeout=20)
     assert result.get(timeout=5) == "slept"
@@ -117,7 +117,7 @@ def test_lost_host_frees_the_key_within_the_ttl(
     """Given a worker with a 3 s TTL, when the whole worker is SIGKILLed (no process survives to
     release), then the key frees by expiry within the TTL."""
     worker: WorkerProcess = start_worker(concurrency=1, env={"SF_TEST_TTL": "3"})  # type: ignore[operator]
-    sfapp.sleeper.delay("host")
+    sfapp.sleeper.apply_async(("host",), queue=worker.queue)
     wait_running(sfapp, "host")
     assert held(sfapp, sfapp.sleeper, "host")
     worker.kill()

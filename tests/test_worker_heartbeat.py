@@ -49,11 +49,11 @@ def test_fail_closed_does_not_run_unguarded_and_resumes_when_redis_returns(
     """Given the lease Redis is down, the task is retried later (RETRY), never run unguarded;
     when Redis comes back on that port, it runs."""
     port = free_port()
-    start_worker(  # type: ignore[operator]
+    worker: WorkerProcess = start_worker(  # type: ignore[operator]
         concurrency=1,
         env={"SF_TEST_LEASE_REDIS": f"redis://127.0.0.1:{port}/2", "SF_TEST_REDIS_RETRY": "0.5"},
     )
-    result = sfapp.hold_raise.delay("closed", 0.01)
+    result = sfapp.hold_raise.apply_async(("closed", 0.01), queue=worker.queue)
     wait_for(lambda: result.state == "RETRY", timeout=20)
     assert sfapp.recorder.llen("runs:closed") == 0
     lease_redis = RedisServer(port=port).start()
@@ -68,7 +68,7 @@ def test_fail_open_runs_with_a_warning(sfapp: ModuleType, start_worker: object) 
     worker: WorkerProcess = start_worker(  # type: ignore[operator]
         concurrency=1, env={"SF_TEST_LEASE_REDIS": f"redis://127.0.0.1:{free_port()}/2"}
     )
-    assert sfapp.open_on_error.delay("open").get(timeout=30) == "ran"
+    assert sfapp.open_on_error.apply_async(("open",), queue=worker.queue).get(timeout=30) == "ran"
     assert "UNGUARDED" in worker.log()
 
 
