@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import signals, worker_hooks  # noqa: F401  (worker_hooks connects the main-process receivers)
+from . import signals, worker_events, worker_hooks  # noqa: F401  (they connect worker receivers)
 
 # errors
 from .errors import (
@@ -13,6 +13,7 @@ from .errors import (
     LeaseLost,
     LockHeld,
     NotInsideRun,
+    ProgressError,
     RedisUnavailable,
     SingleFlightError,
 )
@@ -28,6 +29,9 @@ from .outcome import SkippedRun, is_skipped
 
 # settings
 from .settings import Options, resolve_options
+
+# status, progress and operations
+from .status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, watch
 
 # the task base class
 from .task import SingleFlightTask, counters, store_for
@@ -48,6 +52,7 @@ __all__ = [
     "LeaseLost",
     "LockHeld",
     "NotInsideRun",
+    "ProgressError",
     "RedisUnavailable",
     "SingleFlightError",
     # keys
@@ -65,6 +70,14 @@ __all__ = [
     # outcomes
     "SkippedRun",
     "is_skipped",
+    # status, progress and operations
+    "KeyStatus",
+    "StatusReader",
+    "WatchEvent",
+    "force_release",
+    "held",
+    "status",
+    "watch",
     # settings
     "Options",
     "resolve_options",

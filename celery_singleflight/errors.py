@@ -6,6 +6,7 @@
     ├── LockHeld                (the `raise` outcome of a duplicate: key, holder, time left)
     ├── LeaseLost               (the lease of the running task is gone)
     ├── NotInsideRun            (lease/progress used outside a SingleFlightTask run)
+    ├── ProgressError           (a progress() call with bad values; also a ValueError)
     └── RedisUnavailable        (Redis could not be reached and the task failed closed)
 
 Celery serializes task exceptions as (type, module, args) and rebuilds them on the caller
@@ -20,6 +21,7 @@ __all__ = [
     "LeaseLost",
     "LockHeld",
     "NotInsideRun",
+    "ProgressError",
     "RedisUnavailable",
     "SingleFlightError",
 ]
@@ -65,6 +67,10 @@ class LeaseLost(SingleFlightError):
 
 class NotInsideRun(SingleFlightError):
     """``self.lease`` or a lease operation was used outside a guarded run."""
+
+
+class ProgressError(SingleFlightError, ValueError):
+    """``progress()`` was given a value it cannot record; the message names it."""
 
 
 class RedisUnavailable(SingleFlightError):

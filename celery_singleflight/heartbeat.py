@@ -35,6 +35,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick = float("inf")
+        self._flush_at = float("inf")
         self.rounds = 0  # renewal round trips made; read by tests and benchmarks
 
     def add(self, lease: Lease) -> None:
@@ -46,6 +47,13 @@ class Heartbeat:
                 )
                 self._thread.start()
             if lease.interval < self._tick:
+                self._wake.set()
+
+    def schedule_flush(self, when: float) -> None:
+        """Wake at monotonic time ``when`` to write pending progress updates."""
+        with self._lock:
+            if when < self._flush_at:
+                self._flush_at = when
                 self._wake.set()
 
     def discard(self, lease: Lease) -> None:
@@ -64,9 +72,9 @@ class Heartbeat:
             thread.join(timeout=5)
 
     def _run(self) -> None:
-        next_at = float("inf")
+        next_renew = float("inf")
         while not self._stop.is_set():
-            wait = next_at - mod_time.monotonic()
+            wait = min(next_renew, self._flush_at) - mod_time.monotonic()
             if wait > 0:
                 self._wake.wait(None if wait == float("inf") else wait)
             self._wake.clear()
@@ -74,15 +82,35 @@ class Heartbeat:
                 return
             leases = self.held()
             tick = min((lease.interval for lease in leases), default=float("inf"))
-            if tick < self._tick or next_at == float("inf"):
+            if tick < self._tick or next_renew == float("inf"):
                 # a lease with a shorter interval arrived (or the first one): re-plan the tick
-                self._tick = tick
-                next_at = mod_time.monotonic() + tick
-                continue
+                next_renew = mod_time.monotonic() + tick
             self._tick = tick
-            if mod_time.monotonic() < next_at:
+            if mod_time.monotonic() >= self._flush_at:
+                self._flush_due(leases)
+            if mod_time.monotonic() >= next_renew:
+                next_renew = mod_time.monotonic() + self.renew_once(leases)
+
+    def _flush_due(self, leases: list[Lease]) -> None:
+        """Write the pending progress of every lease whose turn has come."""
+        with self._lock:
+            self._flush_at = float("inf")
+        now = mod_time.monotonic()
+        later = float("inf")
+        for lease in leases:
+            reporter = lease.reporter
+            due = None if reporter is None else reporter.due
+            if reporter is None or due is None:
                 continue
-            next_at = mod_time.monotonic() + self.renew_once(leases)
+            if due > now:
+                later = min(later, due)
+                continue
+            try:
+                reporter.flush()
+            except Exception as exc:  # noqa: BLE001 - a failed flush must not stop renewals
+                log.warning("could not write pending progress for key=%r: %s", lease.key, exc)
+        if later != float("inf"):
+            self.schedule_flush(later)
 
     def renew_once(self, leases: list[Lease]) -> float:
         """Renew ``leases`` in one round trip; return the wait before the next tick."""

@@ -20,6 +20,7 @@ import redis
 from . import scripts, signals
 from .errors import LeaseLost
 from .keys import KeyLayout
+from .progress import ProgressReporter
 
 __all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "process_alive"]
 
@@ -49,6 +50,7 @@ class Holder:
 
     task_id: str
     worker: str = ""
+    task_name: str = ""
     host: str = _HOST
     pid: int = field(default_factory=_pid)
 
@@ -92,6 +94,7 @@ class Lease:
     lost_reason: str = ""
     released: bool = False
     confirmed_at: float = field(default_factory=mod_time.monotonic)
+    reporter: ProgressReporter | None = field(default=None, repr=False)
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -125,20 +128,41 @@ class Lease:
 
 
 class LeaseStore:
-    """Acquire, renew and release leases of one namespace on one Redis."""
+    """Acquire, renew and release leases of one namespace on one Redis.
 
-    def __init__(self, client: redis.Redis, layout: KeyLayout) -> None:
+    ``status_retention`` (seconds) is how long a run's status and history outlive its lease;
+    ``history_length`` caps the history stream of a key.
+    """
+
+    def __init__(
+        self, client: redis.Redis, layout: KeyLayout, status_retention: float = 300.0,
+        history_length: int = 100,
+    ) -> None:
         self.client = client
         self.layout = layout
+        self.status_retention = status_retention
+        self.history_length = history_length
         self._acquire = client.register_script(scripts.ACQUIRE)
         self._renew_many = client.register_script(scripts.RENEW_MANY)
         self._release = client.register_script(scripts.RELEASE)
+        self._force_release = client.register_script(scripts.FORCE_RELEASE)
+        self._progress = client.register_script(scripts.PROGRESS)
+        self._revise = client.register_script(scripts.REVISE_OUTCOME)
 
     def lease_key(self, key: str) -> str:
         return self.layout.redis_key(key, "lease")
 
     def fence_key(self, key: str) -> str:
         return self.layout.redis_key(key, "fence")
+
+    def status_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "status")
+
+    def history_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "history")
+
+    def _run_keys(self, key: str) -> list[str]:
+        return [self.lease_key(key), self.status_key(key), self.history_key(key)]
 
     def acquire(
         self, key: str, token: str, ttl: float, holder: Holder, fence_retention: float = 86400.0
@@ -147,7 +171,7 @@ class LeaseStore:
         reply = self._acquire(
             keys=[self.lease_key(key), self.fence_key(key)],
             args=[token, _ms(ttl), holder.task_id, holder.host, holder.pid, holder.worker,
-                  _ms(fence_retention)],
+                  _ms(fence_retention), holder.task_name],
         )
         if int(reply[0]) == 1:
             return Acquired(fence=int(reply[1]), since=int(reply[2]) / 1000.0)
@@ -158,15 +182,50 @@ class LeaseStore:
         """One round trip for any number of leases; True where the lease is still ours."""
         if not leases:
             return []
+        keys: list[str] = []
         args: list[Any] = []
         for lease in leases:
+            keys += lease.store._run_keys(lease.key)
             args += [lease.token, _ms(lease.ttl)]
-        reply = self._renew_many(keys=[lease.store.lease_key(lease.key) for lease in leases], args=args)
+        args.append(_ms(self.status_retention))
+        reply = self._renew_many(keys=keys, args=args)
         return [int(x) == 1 for x in reply]
 
-    def release(self, key: str, token: str) -> bool:
-        """One round trip; True if the lease was ours and is now gone."""
-        return int(self._release(keys=[self.lease_key(key)], args=[token])) == 1
+    def release(self, key: str, token: str, outcome: str = "succeeded") -> bool:
+        """One round trip: free the key if the lease is ours and record the run's outcome."""
+        retention = _ms(self.status_retention) if self.status_retention > 0 else 0
+        reply = self._release(
+            keys=self._run_keys(key), args=[token, outcome, retention, self.history_length]
+        )
+        return int(reply) == 1
+
+    def force_release(self, key: str, by: str, expected_holder: str = "") -> tuple[str, int] | None:
+        """Free ``key`` whoever holds it (an operator's decision); None if it was not held.
+
+        With ``expected_holder``, only that task's lease is released (what the operator saw).
+        """
+        reply = self._force_release(
+            keys=self._run_keys(key),
+            args=[by, _ms(self.status_retention), self.history_length, expected_holder],
+        )
+        if not reply:
+            return None
+        task_id = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        return task_id, int(reply[1])
+
+    def revise_outcome(self, key: str, task_id: str, recorded: str, known: str) -> bool:
+        """Correct the recorded outcome of ``task_id``'s run (e.g. terminated -> revoked)."""
+        reply = self._revise(keys=self._run_keys(key)[1:], args=[task_id, recorded, known])
+        return int(reply) == 1
+
+    def progress(self, lease: Lease, update_json: str, fields: Sequence[Any]) -> bool:
+        """One round trip: owner-checked status update plus a history entry (wakes watchers)."""
+        ttl = _ms(lease.time_left + self.status_retention)
+        reply = self._progress(
+            keys=self._run_keys(lease.key),
+            args=[lease.token, ttl, self.history_length, update_json, *fields],
+        )
+        return bool(reply)
 
     def holder_record(self, key: str) -> dict[str, str]:
         """The stored holder fields of ``key`` (empty if free)."""

@@ -33,6 +33,12 @@ DEFAULTS: dict[str, tuple[str, Any]] = {
     "redis_retry_delay": ("redis_retry_delay", 5.0),
     "redis_max_wait": ("redis_max_wait", 600.0),
     "fence_retention": ("", 86400.0),
+    "status_retention": ("", 300.0),
+    "history_length": ("", 100),
+    "progress_rate": ("progress_rate", 10.0),
+    "progress_max_bytes": ("progress_max_bytes", 8192),
+    "progress_events": ("progress_events", None),  # None: follow the worker's -E
+    "status_include_args": ("status_include_args", False),
 }
 
 
@@ -50,6 +56,12 @@ class Options:
     redis_retry_delay: float
     redis_max_wait: float | None
     fence_retention: float
+    status_retention: float
+    history_length: int
+    progress_rate: float
+    progress_max_bytes: int
+    progress_events: bool | None
+    status_include_args: bool
 
 
 def _conf_get(conf: Any, name: str) -> Any:
@@ -139,4 +151,24 @@ def resolve_options(task: Any, conf: Any) -> Options:
         if redis_max_wait in ("none", "None", float("inf"))
         else _seconds(where("redis_max_wait"), redis_max_wait, allow_zero=True),
         fence_retention=max(ttl, _seconds(where("fence_retention"), values["fence_retention"])),
+        status_retention=_seconds(where("status_retention"), values["status_retention"], allow_zero=True),
+        history_length=_count(where("history_length"), values["history_length"], minimum=1),
+        progress_rate=_seconds(where("progress_rate"), values["progress_rate"]),
+        progress_max_bytes=_count(where("progress_max_bytes"), values["progress_max_bytes"], minimum=64),
+        progress_events=_flag(where("progress_events"), values["progress_events"], allow_none=True),
+        status_include_args=bool(_flag(where("status_include_args"), values["status_include_args"])),
     )
+
+
+def _count(where: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"{where} must be a whole number of at least {minimum}, not {value!r}")
+    return value
+
+
+def _flag(where: str, value: Any, *, allow_none: bool = False) -> bool | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{where} must be True or False, not {value!r}")
+    return value

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["duplicate", "lease_acquired", "lease_lost", "lease_released", "unguarded_run"]
+__all__ = [
+    "duplicate",
+    "lease_acquired",
+    "lease_force_released",
+    "lease_lost",
+    "lease_released",
+    "unguarded_run",
+]
 
 lease_acquired = Signal(name="singleflight_lease_acquired", providing_args={"lease"})
 lease_released = Signal(name="singleflight_lease_released", providing_args={"lease", "reason"})
@@ -17,3 +24,6 @@ duplicate = Signal(
     providing_args={"key", "task_id", "holder", "ttl_left", "policy", "outcome"},
 )
 unguarded_run = Signal(name="singleflight_unguarded_run", providing_args={"key", "task_id", "error"})
+lease_force_released = Signal(
+    name="singleflight_lease_force_released", providing_args={"key", "task_id", "fence", "by"}
+)

@@ -17,7 +17,9 @@ by the worker's main process from the ``task_failure`` / ``task_revoked`` signal
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 import logging
 import random
 import time as mod_time
@@ -26,15 +28,17 @@ from typing import Any, ClassVar, NoReturn
 
 import redis
 from celery import Task
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from . import outcome, signals
 from .connection import redis_client
-from .errors import LockHeld, NotInsideRun, RedisUnavailable
+from .errors import LeaseLost, LockHeld, NotInsideRun, RedisUnavailable
 from .heartbeat import heartbeat_for
-from .keys import KeyFunction, KeyLayout, compile_key
+from .keys import KeyFunction, KeyLayout, canonical, compile_key
 from .lease import Held, Holder, Lease, LeaseStore
+from .progress import ProgressReporter, ProgressUpdate, make_update
 from .settings import Options, resolve_options
+from .worker_events import worker_sends_task_events
 
 __all__ = ["SingleFlightTask", "store_for"]
 
@@ -52,14 +56,20 @@ _BASE_DELAY = 0.1
 _stores: dict[tuple[int, str], LeaseStore] = {}
 
 
-def store_for(url: str, namespace: str) -> LeaseStore:
+def store_for(
+    url: str, namespace: str, status_retention: float = 300.0, history_length: int = 100
+) -> LeaseStore:
     """The lease store of this process for ``url`` and ``namespace``."""
     client = redis_client(url)
     key = (id(client), namespace)
     store = _stores.get(key)
     if store is None or store.client is not client:
-        store = _stores[key] = LeaseStore(client, KeyLayout(namespace))
+        store = _stores[key] = LeaseStore(client, KeyLayout(namespace), status_retention, history_length)
     return store
+
+
+def _options_store(opts: Options) -> LeaseStore:
+    return store_for(opts.redis_url, opts.namespace, opts.status_retention, opts.history_length)
 
 
 def _run_signature(cls: type) -> inspect.Signature | None:
@@ -145,8 +155,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
 
     @property
     def store(self) -> LeaseStore:
-        opts = self.options
-        return store_for(opts.redis_url, opts.namespace)
+        return _options_store(self.options)
 
     @property
     def lease(self) -> Lease:
@@ -164,12 +173,12 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         request = self.request
         opts = self.options
         key = self.render_key(*args, **kwargs)
-        store = store_for(opts.redis_url, opts.namespace)
+        store = _options_store(opts)
         task_id = request.id or ""
         token = uuid.uuid4().hex
         try:
             got = store.acquire(
-                key, token, opts.ttl, Holder(task_id, worker=request.hostname or ""),
+                key, token, opts.ttl, Holder(task_id, request.hostname or "", self.name),
                 opts.fence_retention,
             )
         except redis.RedisError as exc:
@@ -185,19 +194,106 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         setattr(request, _REQUEST_ATTR, lease)
         log_acquire.debug("acquired key=%r task=%s[%s] fence=%s", key, self.name, task_id, lease.fence)
         signals.lease_acquired.send(sender=self.name, lease=lease)
+        outcome = "failed"
         try:
-            return super().__call__(*args, **kwargs)
+            result = super().__call__(*args, **kwargs)
+            outcome = "succeeded"
+            return result
+        except Retry:
+            outcome = "retried"
+            raise
+        except Ignore:
+            outcome = "ignored"
+            raise
+        except Reject:
+            outcome = "rejected"
+            raise
+        except BaseException as exc:
+            # SystemExit: the pool child was told to stop (revoke with terminate, shutdown)
+            outcome = "failed" if isinstance(exc, Exception) else "terminated"
+            raise
         finally:
             setattr(request, _REQUEST_ATTR, None)
             beat.discard(lease)
-            self._sf_release(lease, "ended")
+            self._sf_finish_progress(lease)
+            self._sf_release(lease, "lost" if lease.lost else outcome)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release the lease before the retry is published, so it is not its own duplicate."""
         lease = getattr(self.request, _REQUEST_ATTR, None)
         if lease is not None:
-            self._sf_release(lease, "retry")
+            self._sf_finish_progress(lease)
+            self._sf_release(lease, "retried")
         return super().retry(*args, **kwargs)
+
+    # -- progress -----------------------------------------------------------------------
+
+    def progress(
+        self, state: str, current: float | None = None, total: float | None = None,
+        message: str | None = None, **fields: Any,
+    ) -> bool:
+        """Report how far this run is, by key: ``self.progress("loading", current=3, total=10)``.
+
+        One Redis round trip (status, history, live watchers), a ``task-progress`` event for
+        Flower and the result backend's ``PROGRESS`` meta (``AsyncResult.info``). Throttled to
+        ``progress_rate`` writes a second: calls in between are coalesced and the last one is
+        always written. Returns True if written now. Raises :class:`LeaseLost` once the lease is
+        gone, :class:`NotInsideRun` outside a run, :class:`ProgressError` for bad values.
+        """
+        lease = self.lease
+        lease.check()
+        opts = self.options
+        args = None
+        if opts.status_include_args:
+            request = self.request
+            args = canonical({"args": list(request.args or ()), "kwargs": dict(request.kwargs or {})})
+        update = make_update(state, current, total, message, fields, max_bytes=opts.progress_max_bytes,
+                             args=args)
+        reporter = lease.reporter
+        if reporter is None:
+            reporter = lease.reporter = ProgressReporter(
+                opts.progress_rate, self._sf_progress_writer(lease),
+                heartbeat_for(lease.store).schedule_flush,
+            )
+        return reporter.submit(update)
+
+    def _sf_progress_writer(self, lease: Lease) -> Any:
+        """The write of one update, with what it needs captured: it may run on the heartbeat thread."""
+        request = self.request
+        task_id, hostname = request.id, request.hostname
+        opts = self.options
+        store_meta = bool(task_id) and not (request.ignore_result or self.ignore_result)
+        send_event = bool(task_id) and (
+            worker_sends_task_events() if opts.progress_events is None else opts.progress_events
+        )
+        app, backend = self.app, self.backend
+
+        def write(update: ProgressUpdate) -> None:
+            data = update.as_dict()
+            try:
+                ours = lease.store.progress(lease, json.dumps(data), update.status_fields())
+            except redis.RedisError as exc:
+                log_acquire.warning("could not record progress of key=%r: %s", lease.key, exc)
+                ours = True  # Redis trouble is the heartbeat's to judge, not a lost lease
+            if not ours:
+                lease.mark_lost("progress found the lease gone")
+                raise LeaseLost(lease.key, lease.lost_reason)
+            meta = {**data, "key": lease.key, "fence": lease.fence}
+            if store_meta:
+                backend.store_result(task_id, meta, "PROGRESS")
+            if send_event:
+                with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+                    dispatcher.send("task-progress", uuid=task_id, progress=meta)
+
+        return write
+
+    def _sf_finish_progress(self, lease: Lease) -> None:
+        """Write a pending (throttled) update before the run's end is recorded."""
+        if lease.reporter is not None and not lease.lost:
+            with contextlib.suppress(LeaseLost):  # already reported by mark_lost
+                lease.reporter.flush()
+
+    # -- release ------------------------------------------------------------------------
 
     def _sf_release(self, lease: Lease, reason: str) -> None:
         with lease._guard:
@@ -205,7 +301,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 return
             lease.released = True
         try:
-            ours = lease.store.release(lease.key, lease.token)
+            ours = lease.store.release(lease.key, lease.token, reason)
         except redis.RedisError as exc:
             log_release.warning(
                 "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",

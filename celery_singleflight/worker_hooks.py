@@ -21,6 +21,7 @@ from celery.exceptions import TimeLimitExceeded
 
 from . import signals
 from .lease import process_alive
+from .worker_events import worker_sends_task_events
 
 __all__ = ["release_for_ended_child"]
 
@@ -46,11 +47,14 @@ def release_for_ended_child(
         record = store.holder_record(key)
         host = socket.gethostname()
         if record.get("task_id") != task_id or record.get("host") != host:
+            if reason == "revoked":
+                # the child released on SIGTERM and could only say "terminated"
+                store.revise_outcome(key, task_id, "terminated", "revoked")
             return False
         pid = int(record.get("pid", "0") or 0)
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
-        released = store.release(key, record["token"])
+        released = store.release(key, record["token"], reason)
     except (redis.RedisError, TypeError, ValueError) as exc:
         log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
         return False
@@ -69,17 +73,38 @@ def _on_task_failure(
 ) -> None:
     if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         doomed = isinstance(exception, TimeLimitExceeded)
-        release_for_ended_child(sender, task_id, args, kwargs, type(exception).__name__, doomed=doomed)
+        reason = "time-limit" if doomed else "worker-lost"
+        release_for_ended_child(sender, task_id, args, kwargs, reason, doomed=doomed)
 
 
 def _on_task_revoked(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+    sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any
 ) -> None:
     if terminated and request is not None:
         release_for_ended_child(
             sender, getattr(request, "id", ""), getattr(request, "args", None),
             getattr(request, "kwargs", None), "revoked", doomed=True,
         )
+        _announce_revoked_state(sender, request, signum)
+
+
+def _announce_revoked_state(task: Any, request: Any, signum: Any) -> None:
+    """Make Flower show REVOKED for a run that reported progress.
+
+    Celery's event state ranks an unknown state such as PROGRESS above REVOKED, so its own
+    ``task-revoked`` event only merges fields into a task that is PROGRESS. Fields of an event
+    are applied as they are, so the same event with an explicit ``state`` sets it.
+    """
+    from .task import SingleFlightTask
+
+    if not isinstance(task, SingleFlightTask) or not worker_sends_task_events():
+        return
+    try:
+        with task.app.events.default_dispatcher(hostname=getattr(request, "hostname", None)) as d:
+            d.send("task-revoked", uuid=request.id, terminated=True, signum=signum, expired=False,
+                   state="REVOKED")
+    except Exception as exc:  # noqa: BLE001 - an event must never break the worker
+        log.debug("could not send the REVOKED state event for %s: %s", request.id, exc)
 
 
 celery_signals.task_failure.connect(_on_task_failure, weak=False)

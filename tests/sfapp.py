@@ -144,3 +144,72 @@ def open_on_error(self, key):
 def plain(x, y=1):
     """Not bound: the key is built from the function's own signature."""
     return [x, y]
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", progress_rate=20)
+def reporting(self, name, steps=5, pause=0.2):
+    """Reports progress step by step; watched by the tests."""
+    for i in range(steps):
+        self.progress("loading", current=i, total=steps, message=f"step {i}", name=name)
+        time.sleep(pause)
+    self.progress("finishing", current=steps, total=steps)
+    return steps
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", progress_rate=5)
+def chatty(self, name, calls=1000):
+    """Calls progress in a tight loop: the throttle keeps writes near the rate."""
+    for i in range(calls):
+        self.progress("working", current=i + 1, total=calls)
+    return self.lease.reporter.writes
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", status_include_args=True)
+def with_args(self, name, secret="s3cr3t"):
+    self.progress("working")
+    return "ok"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>")
+def without_args(self, name, secret="s3cr3t"):
+    self.progress("working")
+    return "ok"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>")
+def fails_after_progress(self, name):
+    self.progress("working", current=1, total=2)
+    raise RuntimeError("halfway")
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>")
+def bad_progress(self, name, case):
+    """Calls progress() wrongly; returns the error it got."""
+    try:
+        if case == "negative":
+            self.progress("x", current=-1)
+        elif case == "inconsistent":
+            self.progress("x", current=5, total=3)
+        elif case == "not-json":
+            self.progress("x", when=object())
+        elif case == "too-big":
+            self.progress("x", blob="y" * 100_000)
+        elif case == "empty-state":
+            self.progress("")
+    except Exception as exc:  # noqa: BLE001 - reported back to the test
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", lock_ttl=1.5)
+def progress_after_loss(self, name):
+    """Keeps reporting until its lease is deleted behind its back, then reports the error."""
+    recorder.set(f"started:{name}", 1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            self.progress("working")
+        except Exception as exc:  # noqa: BLE001 - reported back to the test
+            return {"error": type(exc).__name__}
+        time.sleep(0.1)
+    return {"error": None}

@@ -1,0 +1,163 @@
+"""Progress and status by key, watched from another process while a real worker runs the task."""
+
+from __future__ import annotations
+
+import time
+from types import ModuleType
+
+import pytest
+
+import celery_singleflight as sf
+from celery_singleflight import NotInsideRun
+from celery_singleflight.testing import RedisServer, WorkerProcess
+
+from .conftest import wait_for
+from .test_observers import flower, flower_state  # noqa: F401 - the flower fixture
+
+pytestmark = pytest.mark.worker
+
+
+def test_watch_by_key_from_another_process(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    """Given a task reporting 5 steps, a watcher in this process (not the worker) sees every
+    update in order, live, and then the run's end; the status record then says succeeded."""
+    result = sfapp.reporting.delay("w", 5, 0.2)
+    key = sfapp.reporting.render_key("w")
+    wait_for(lambda: sf.status(sfapp.app, key), timeout=15)
+    events = list(sf.watch(sfapp.app, key, timeout=20))
+    progress = [e for e in events if e.kind == "progress"]
+    assert [e.current for e in progress] == [0, 1, 2, 3, 4, 5]
+    assert progress[0].state == "loading" and progress[-1].state == "finishing"
+    assert progress[2].message == "step 2" and progress[2].fields == {"name": "w"}
+    assert progress[2].percent == 40.0
+    assert events[-1].kind == "end" and events[-1].state == "succeeded"
+    assert result.get(timeout=5) == 5
+    final = sf.status(sfapp.app, key)
+    assert final is not None and not final.held and final.outcome == "succeeded"
+    assert final.task_id == result.id and final.current == 5
+
+
+def test_status_record_while_running(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    result = sfapp.reporting.delay("st", 4, 0.4)
+    key = sfapp.reporting.render_key("st")
+    st = wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current is not None and s, timeout=15)
+    assert st.held and st.task_id == result.id and st.task_name == "sfapp.reporting"
+    assert st.state == "loading" and st.total == 4
+    assert st.pid and st.host and st.worker and st.fence
+    assert st.started is not None and st.updated is not None and st.updated >= st.started
+    assert 0 < st.ttl_left <= 30
+    assert st.queued == 0
+    assert [s.key for s in sf.held(sfapp.app, prefix="job:")] == [key]
+    assert sf.held(sfapp.app, prefix="other:") == []
+    # the caller holding the AsyncResult sees the same progress in the result backend
+    wait_for(lambda: result.state == "PROGRESS" and result.info.get("state") == "loading", timeout=5)
+    assert result.info["key"] == key
+    result.get(timeout=15)
+
+
+def test_a_watcher_that_starts_late_replays_the_history(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    result = sfapp.reporting.delay("late", 3, 0.3)
+    key = sfapp.reporting.render_key("late")
+    wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current == 2, timeout=15)
+    events = list(sf.watch(sfapp.app, key, timeout=15))
+    assert [e.current for e in events if e.kind == "progress"] == [0, 1, 2, 3]
+    result.get(timeout=5)
+
+
+def test_terminal_outcome_of_a_failed_run(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    with pytest.raises(RuntimeError):
+        sfapp.fails_after_progress.delay("f").get(timeout=15)
+    st = sf.status(sfapp.app, sfapp.fails_after_progress.render_key("f"))
+    assert st is not None and not st.held and st.outcome == "failed" and st.current == 1
+
+
+def test_terminal_outcome_of_a_revoked_run(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    result = sfapp.reporting.delay("rv", 50, 0.2)
+    key = sfapp.reporting.render_key("rv")
+    wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current is not None, timeout=15)
+    result.revoke(terminate=True)
+    st = wait_for(lambda: (s := sf.status(sfapp.app, key)) and not s.held and s, timeout=10)
+    assert st.outcome == "revoked"
+
+
+def test_status_has_no_arguments_unless_the_task_opts_in(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    sfapp.without_args.delay("na", secret="hunter2").get(timeout=15)
+    sfapp.with_args.delay("wa", secret="hunter2").get(timeout=15)
+    db = redis_server.client(2)
+    hidden = db.hgetall(sfapp.without_args.store.status_key(sfapp.without_args.render_key("na")))
+    assert hidden and b"hunter2" not in b"".join(hidden.values())
+    shown = sf.status(sfapp.app, sfapp.with_args.render_key("wa"))
+    assert shown is not None and shown.args == {"args": ["wa"], "kwargs": {"secret": "hunter2"}}
+
+
+def test_throttle_coalesces_a_tight_loop_and_writes_the_last_state(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    """Given 1,000 progress() calls in a tight loop at a 5/s rate, then only a handful are
+    written, and the last one (1000/1000) is what the status says."""
+    writes_seen_by_task = sfapp.chatty.delay("tight", 1000).get(timeout=30)
+    assert writes_seen_by_task <= 3
+    st = sf.status(sfapp.app, sfapp.chatty.render_key("tight"))
+    assert st is not None and st.current == 1000 and st.total == 1000
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("negative", "must not be negative"),
+        ("inconsistent", "more than total"),
+        ("not-json", "'when' is not JSON-serializable"),
+        ("too-big", "more than the limit"),
+        ("empty-state", "non-empty string"),
+    ],
+)
+def test_bad_progress_values_get_a_clear_error(
+    sfapp: ModuleType, shared_worker: WorkerProcess, case: str, needle: str
+) -> None:
+    outcome = sfapp.bad_progress.delay(f"bad-{case}", case).get(timeout=15)
+    assert outcome["error"] == "ProgressError"
+    assert needle in outcome["message"]
+
+
+def test_progress_after_the_lease_was_lost_raises_lease_lost(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    """Given a holder whose lease is deleted behind its back (a new holder could now own the key),
+    then its next progress() is refused by the owner check and raises LeaseLost."""
+    result = sfapp.progress_after_loss.delay("pl")
+    wait_for(lambda: sfapp.recorder.get("started:pl"), timeout=15)
+    key = sfapp.progress_after_loss.render_key("pl")
+    redis_server.client(2).delete(sfapp.progress_after_loss.store.lease_key(key))
+    assert result.get(timeout=15) == {"error": "LeaseLost"}
+
+
+def test_progress_outside_a_run_is_a_clear_error(sfapp: ModuleType) -> None:
+    with pytest.raises(NotInsideRun, match="only available while the task body runs"):
+        sfapp.reporting.progress("x")
+
+
+def test_unknown_key_has_no_status(sfapp: ModuleType) -> None:
+    assert sf.status(sfapp.app, "never:used") is None
+    assert list(sf.watch(sfapp.app, "never:used", timeout=1)) == []
+
+
+def test_flower_shows_progress_then_the_true_final_state(
+    sfapp: ModuleType, start_worker: object, flower: str  # noqa: F811 - the fixture
+) -> None:
+    """Given a worker sending events and a real Flower, a task calling self.progress is PROGRESS
+    in Flower while it runs, SUCCESS after; a revoked one ends REVOKED, not PROGRESS."""
+    q = start_worker(concurrency=2, extra=("-E",)).queue  # type: ignore[operator]
+    done = sfapp.reporting.apply_async(("fl", 6, 0.3), queue=q)
+    wait_for(lambda: flower_state(flower, done.id) == "PROGRESS", timeout=20, interval=0.1)
+    done.get(timeout=20)
+    wait_for(lambda: flower_state(flower, done.id) == "SUCCESS", timeout=10, interval=0.2)
+
+    revoked = sfapp.reporting.apply_async(("fl-rv", 100, 0.1), queue=q)
+    wait_for(lambda: flower_state(flower, revoked.id) == "PROGRESS", timeout=20, interval=0.1)
+    revoked.revoke(terminate=True)
+    wait_for(lambda: flower_state(flower, revoked.id) == "REVOKED", timeout=10, interval=0.2)
+    time.sleep(1.0)  # a late progress event must not turn it back
+    assert flower_state(flower, revoked.id) == "REVOKED"
