@@ -148,6 +148,7 @@ class LeaseStore:
         self._force_release = client.register_script(scripts.FORCE_RELEASE)
         self._progress = client.register_script(scripts.PROGRESS)
         self._revise = client.register_script(scripts.REVISE_OUTCOME)
+        self._note_duplicate = client.register_script(scripts.NOTE_DUPLICATE)
 
     def lease_key(self, key: str) -> str:
         return self.layout.redis_key(key, "lease")
@@ -212,6 +213,11 @@ class LeaseStore:
             return None
         task_id = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         return task_id, int(reply[1])
+
+    def note_duplicate(self, key: str, task_id: str, outcome: str) -> bool:
+        """Count a duplicate on the holder's status and tell live watchers what happened to it."""
+        reply = self._note_duplicate(keys=self._run_keys(key), args=[task_id, outcome, self.history_length])
+        return int(reply) == 1
 
     def revise_outcome(self, key: str, task_id: str, recorded: str, known: str) -> bool:
         """Correct the recorded outcome of ``task_id``'s run (e.g. terminated -> revoked)."""

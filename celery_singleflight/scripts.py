@@ -7,7 +7,15 @@ formatting would turn a 16-digit fence into ``1.7e+15``.
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "FORCE_RELEASE", "PROGRESS", "RELEASE", "RENEW_MANY", "REVISE_OUTCOME"]
+__all__ = [
+    "ACQUIRE",
+    "FORCE_RELEASE",
+    "NOTE_DUPLICATE",
+    "PROGRESS",
+    "RELEASE",
+    "RENEW_MANY",
+    "REVISE_OUTCOME",
+]
 
 ACQUIRE = """
 -- KEYS[1] - lease hash of the key
@@ -175,5 +183,29 @@ if redis.call('HGET', KEYS[1], 'task_id') ~= ARGV[1] or redis.call('HGET', KEYS[
   return 0
 end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'outcome', ARGV[3])
+return 1
+"""
+
+NOTE_DUPLICATE = _STATUS_FOR_RUN + """
+-- KEYS[1] - lease hash of the key
+-- KEYS[2] - status hash of the key
+-- KEYS[3] - history stream of the key
+-- ARGV[1] - the duplicate's task id
+-- ARGV[2] - what happened to it (skipped, raised, retry, ...)
+-- ARGV[3] - history length cap
+-- return 1 if noted on the current holder's run, 0 if the key is free
+local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
+if not holder[1] then
+  return 0
+end
+local fence = status_for_run(holder, KEYS[2], KEYS[3])
+redis.call('HINCRBY', KEYS[2], 'duplicates', 1)
+if redis.call('PTTL', KEYS[2]) < 0 then
+  redis.call('PEXPIRE', KEYS[2], math.max(redis.call('PTTL', KEYS[1]), 1000))
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'kind', 'duplicate', 'fence', fence,
+    'state', ARGV[2], 'task_id', ARGV[1], 'ts', now_ms())
+end
 return 1
 """

@@ -77,6 +77,7 @@ class KeyStatus:
     outcome: str | None = None
     ttl_left: float | None = None  # seconds of lease left, while held
     queued: int = 0
+    duplicates: int = 0  # duplicates that arrived while this run held the key
     released_by: str | None = None
     args: Any = None  # only when the task opts in (status_include_args)
 
@@ -95,7 +96,7 @@ class KeyStatus:
 class WatchEvent:
     """One step of a run as a watcher sees it: ``progress`` updates, then one ``end``."""
 
-    kind: str  # "progress" or "end"
+    kind: str  # "progress", "duplicate" (another run was turned away) or "end"
     state: str
     fence: int | None
     ts: float | None
@@ -146,6 +147,7 @@ def _combine(key: str, lease: dict[str, str], pttl: int, st: dict[str, str]) -> 
         ended=None if is_held else _ms_to_s(run.get("ended")),
         outcome=None if is_held else run.get("outcome"),
         ttl_left=max(0, pttl) / 1000.0 if is_held else None,
+        duplicates=int(run.get("duplicates") or 0),
         released_by=run.get("released_by"),
         args=json.loads(run["args"]) if run.get("args") else None,
     )
@@ -167,8 +169,9 @@ def _event(entry_id: Any, raw: dict[Any, Any]) -> WatchEvent:
             current=body.get("current"), total=body.get("total"), percent=body.get("percent"),
             message=body.get("message"), fields=body.get("fields") or {}, id=eid,
         )
-    fields = {"by": data["by"]} if data.get("by") else {}
-    return WatchEvent(kind="end", state=data.get("state", ""), fence=fence, ts=ts, fields=fields, id=eid)
+    fields = {name: data[name] for name in ("by", "task_id") if data.get(name)}
+    kind = "duplicate" if data.get("kind") == "duplicate" else "end"
+    return WatchEvent(kind=kind, state=data.get("state", ""), fence=fence, ts=ts, fields=fields, id=eid)
 
 
 class StatusReader:

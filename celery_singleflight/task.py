@@ -355,6 +355,10 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             sender=self.name, key=key, task_id=task_id, holder=held.holder,
             ttl_left=held.ttl_left, policy=self.options.on_duplicate, outcome=what,
         )
+        try:
+            self.store.note_duplicate(key, task_id or "", what.split(" ")[0])
+        except redis.RedisError as exc:
+            log_duplicate.debug("could not note the duplicate on key=%r: %s", key, exc)
 
     def _sf_wait_state(self) -> tuple[float, int]:
         request = self.request

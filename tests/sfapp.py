@@ -213,3 +213,9 @@ def progress_after_loss(self, name):
             return {"error": type(exc).__name__}
         time.sleep(0.1)
     return {"error": None}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", on_duplicate="skip")
+def reporting_skip(self, name, steps=5, pause=0.2):
+    """Same key as `reporting`, skip policy: a duplicate of a reporting run."""
+    return "ran"

@@ -161,3 +161,22 @@ def test_flower_shows_progress_then_the_true_final_state(
     wait_for(lambda: flower_state(flower, revoked.id) == "REVOKED", timeout=10, interval=0.2)
     time.sleep(1.0)  # a late progress event must not turn it back
     assert flower_state(flower, revoked.id) == "REVOKED"
+
+
+def test_duplicates_are_counted_and_shown_to_watchers(
+    sfapp: ModuleType, shared_worker: WorkerProcess
+) -> None:
+    """Given a reporting holder, a skipped duplicate is counted on the holder's status and a
+    live watcher sees a `duplicate` event naming it; the holder's run is unaffected."""
+    holder = sfapp.reporting.delay("dup", 4, 0.3)
+    key = sfapp.reporting.render_key("dup")
+    wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current is not None, timeout=15)
+    dup = sfapp.reporting_skip.delay("dup")
+    assert sf.is_skipped(dup.get(timeout=15))
+    events = list(sf.watch(sfapp.app, key, timeout=15))
+    dups = [e for e in events if e.kind == "duplicate"]
+    assert len(dups) == 1 and dups[0].state == "skipped" and dups[0].fields["task_id"] == dup.id
+    assert events[-1].kind == "end" and events[-1].state == "succeeded"
+    final = sf.status(sfapp.app, key)
+    assert final is not None and final.duplicates == 1
+    holder.get(timeout=5)
