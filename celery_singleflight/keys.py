@@ -20,7 +20,15 @@ from typing import Any
 
 from .errors import KeyTemplateError
 
-__all__ = ["MAX_KEY_LENGTH", "KeyFunction", "KeyLayout", "canonical", "compile_key", "digest_key"]
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "KeyFunction",
+    "KeyLayout",
+    "canonical",
+    "compile_key",
+    "digest_key",
+    "stored_key",
+]
 
 MAX_KEY_LENGTH = 256
 _DIGEST_MARK = "~sha256v1~"
@@ -91,6 +99,19 @@ def digest_key(key: str) -> str:
         return key
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{key[:_DIGEST_KEEP]}{_DIGEST_MARK}{digest}"
+
+
+_DIGEST_FORM = re.compile(rf"^.{{{_DIGEST_KEEP}}}{re.escape(_DIGEST_MARK)}[0-9a-f]{{64}}$", re.S)
+
+
+def stored_key(key: str) -> str:
+    """The key as stored, for a key typed by a person or listed by ``held()``.
+
+    A key already in digest form (as ``held()`` lists a long key) is used as it is; any other key
+    is digested like a rendered one. Rendering never trusts the digest form (see
+    :func:`digest_key`), so this only serves look-ups of keys that exist.
+    """
+    return key if _DIGEST_FORM.match(key) else digest_key(key)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import signals
-from .keys import digest_key
+from .keys import stored_key
 from .lease import LeaseStore
 from .settings import Options, resolve_options
 
@@ -183,7 +183,7 @@ class StatusReader:
 
     def read(self, key: str) -> KeyStatus | None:
         """The status of ``key`` in one round trip; None if nothing is known about it."""
-        key = digest_key(key)
+        key = stored_key(key)
         pipe = self.client.pipeline(transaction=False)
         pipe.hgetall(self.store.lease_key(key))
         pipe.pttl(self.store.lease_key(key))
@@ -226,7 +226,7 @@ class StatusReader:
         Follows the run that holds ``key`` now (or the last one, if it already ended). Stops after
         ``timeout`` seconds if given. Yields nothing if nothing is known about the key.
         """
-        key = digest_key(key)
+        key = stored_key(key)
         snapshot = self.read(key)
         if snapshot is None:
             return
@@ -274,7 +274,7 @@ class StatusReader:
         Logged at WARNING with who asked, and signalled (``lease_force_released``). The holder's
         heartbeat then reports its lease lost.
         """
-        key = digest_key(key)
+        key = stored_key(key)
         released = self.store.force_release(key, by, expected_holder)
         if released is None:
             return None

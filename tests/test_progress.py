@@ -180,3 +180,18 @@ def test_duplicates_are_counted_and_shown_to_watchers(
     final = sf.status(sfapp.app, key)
     assert final is not None and final.duplicates == 1
     holder.get(timeout=5)
+
+
+def test_a_long_key_listed_by_held_can_be_read_and_released(sfapp: ModuleType) -> None:
+    """Given a key longer than 256 characters (stored as its digest), the name held() lists
+    is the name status() and force_release() accept."""
+    from celery_singleflight import Holder, digest_key
+
+    store = sfapp.reporting.store
+    key = digest_key("x:" + "a" * 300)
+    store.acquire(key, "tok", 30, Holder("tid-long", "w", "t"))
+    listed = [s.key for s in sf.held(sfapp.app, prefix="x:")]
+    assert listed == [key]
+    st = sf.status(sfapp.app, listed[0])
+    assert st is not None and st.task_id == "tid-long"
+    assert sf.force_release(sfapp.app, listed[0], by="test") == "tid-long"

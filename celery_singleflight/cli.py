@@ -1,0 +1,516 @@
+"""``celery singleflight``: see and operate the keys of an app from the command line.
+
+Installed as a Celery command plugin (entry point group ``celery.commands``), so it runs with
+the app's own configuration::
+
+    celery -A proj singleflight ls [--prefix P] [--json]       the held keys, one row each
+    celery -A proj singleflight show KEY [--json]              everything known about one key
+    celery -A proj singleflight watch KEY [--json] [--timeout S]
+                                                                follow a run live until it ends
+    celery -A proj singleflight release KEY [--force] [--json] free a key whoever holds it
+
+KEY is the rendered key exactly as ``ls`` prints it: string values keep their JSON quotes, so
+the key of ``lock_key="job:<name>"`` called with ``name="a"`` is ``'job:"a"'`` in a shell.
+
+``watch`` draws a live progress bar when stdout is a terminal and ``rich`` is installed
+(``pip install celery-singleflight[cli]``), and prints one line per event otherwise; with
+``--json`` it prints one JSON object per event (JSON lines), the last one of kind ``end``.
+
+Exit codes:
+
+====  =====================================================================================
+0     success: ``ls`` listed (even nothing), ``show`` found the key held, ``watch`` saw the
+      run end with outcome ``succeeded``, ``release`` released the key
+1     the key is not held: unknown, or its last run ended (``show`` still prints an ended
+      run), ``watch`` of a key not held when it starts, ``release`` of a free key (or of a
+      key that changed hands before the confirmation), or ``release`` declined ("aborted")
+2     configuration error (e.g. no Redis URL), with the message; click's usage errors
+      (a missing argument, an unknown option) exit 2 as well
+3     Redis unreachable or answering with an error (one line on stderr, no traceback)
+4     ``watch``: the run ended with another outcome than ``succeeded`` (failed, revoked,
+      lost, force-released, expired, ...)
+5     ``watch``: ``--timeout`` passed before the run ended
+130   interrupted (Ctrl-C)
+====  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import getpass
+import json
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NoReturn, TypeVar, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import click
+import redis
+from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
+
+from .errors import ConfigurationError
+from .settings import redis_url_for
+from .status import KeyStatus, StatusReader, WatchEvent, reader
+
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_ENDED_OTHERWISE",
+    "EXIT_NOT_HELD",
+    "EXIT_OK",
+    "EXIT_REDIS",
+    "EXIT_TIMEOUT",
+    "singleflight",
+]
+
+EXIT_OK = 0
+EXIT_NOT_HELD = 1
+EXIT_CONFIG = 2
+EXIT_REDIS = 3
+EXIT_ENDED_OTHERWISE = 4
+EXIT_TIMEOUT = 5
+EXIT_INTERRUPTED = 130
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_DIGEST_MARK = "~sha256v1~"
+_GROUP = "Singleflight Options"
+
+
+# -- formatting ---------------------------------------------------------------------------
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:g}"
+
+
+def progress_text(current: float | None, total: float | None, percent: float | None) -> str:
+    """``3/10 30%``, ``3`` without a total, ``-`` without progress."""
+    if current is None:
+        return "-"
+    text = _number(current)
+    if total is not None:
+        text += f"/{_number(total)}"
+    if percent is not None:
+        text += f" {percent:.0f}%"
+    return text
+
+
+def duration(seconds: float | None) -> str:
+    """A short duration: ``4.2s``, ``3m05s``, ``2h07m``, ``3d04h``; ``-`` if unknown."""
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def when(ts: float | None, now: float | None = None) -> str:
+    """An epoch time as local ISO 8601 plus how long ago (or from now) it is."""
+    if ts is None:
+        return "-"
+    now = time.time() if now is None else now
+    iso = dt.datetime.fromtimestamp(ts).astimezone().isoformat(timespec="milliseconds")
+    delta = now - ts
+    rel = f"{duration(delta)} ago" if delta >= 0 else f"in {duration(-delta)}"
+    return f"{iso} ({rel})"
+
+
+def _short(task_id: str | None) -> str:
+    return task_id[:8] if task_id else "-"
+
+
+def _json(value: Any, *, indent: int | None = 2) -> str:
+    return json.dumps(value, indent=indent, default=str, ensure_ascii=False)
+
+
+def status_table(rows: Iterable[KeyStatus]) -> list[str]:
+    """The ``ls`` table: one aligned line per held key, under a header."""
+    header = ("KEY", "TASK ID", "TASK", "STATE", "PROGRESS", "AGE", "TTL")
+    lines = [header]
+    for st in rows:
+        lines.append((
+            st.key, _short(st.task_id), st.task_name or "-", st.state,
+            progress_text(st.current, st.total, st.percent), duration(st.age), duration(st.ttl_left),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
+
+
+def status_lines(st: KeyStatus, now: float | None = None) -> list[str]:
+    """Every field of a :class:`KeyStatus`, one ``name: value`` line each."""
+    held = "yes" if st.held else f"no (the run ended: {st.outcome or st.state})"
+    pid = "-" if st.pid is None else str(st.pid)
+    rows: list[tuple[str, str]] = [
+        ("key", st.key),
+        ("held", held),
+        ("state", st.state),
+        ("outcome", st.outcome or "-"),
+        ("task id", st.task_id or "-"),
+        ("task name", st.task_name or "-"),
+        ("worker", st.worker or "-"),
+        ("host / pid", f"{st.host or '-'} / {pid}"),
+        ("fence", "-" if st.fence is None else str(st.fence)),
+        ("progress", progress_text(st.current, st.total, st.percent)),
+        ("message", st.message if st.message is not None else "-"),
+        ("fields", _json(st.fields, indent=None) if st.fields else "-"),
+        ("started", when(st.started, now)),
+        ("updated", when(st.updated, now)),
+        ("ended", when(st.ended, now)),
+        ("age", duration(st.age)),
+        ("ttl left", duration(st.ttl_left)),
+        ("queued", str(st.queued)),
+        ("released by", st.released_by or "-"),
+        ("args", "-" if st.args is None else _json(st.args, indent=None)),
+    ]
+    shown = {"key", "held", "state", "outcome", "task_id", "task_name", "worker", "host", "pid", "fence",
+             "current", "total", "percent", "message", "fields", "started", "updated", "ended", "age",
+             "ttl_left", "queued", "released_by", "args"}
+    for name, value in st.as_dict().items():  # fields added to KeyStatus later
+        if name not in shown:
+            rows.append((name.replace("_", " "), "-" if value is None else _json(value, indent=None)))
+    width = max(len(name) for name, _ in rows) + 1
+    return [f"{(name + ':').ljust(width)} {value}" for name, value in rows]
+
+
+def event_line(event: WatchEvent) -> str:
+    """One plain-text line for a watch event."""
+    stamp = "--:--:--.---"
+    if event.ts is not None:
+        stamp = dt.datetime.fromtimestamp(event.ts).strftime("%H:%M:%S.%f")[:-3]
+    if event.kind == "end":
+        by = event.fields.get("by")
+        return f"{stamp} end {event.state}" + (f" by {by}" if by else "")
+    parts = [stamp, event.kind, event.state or "-", progress_text(event.current, event.total, event.percent)]
+    if event.message:
+        parts.append(event.message)
+    return " ".join(parts)
+
+
+def holder_text(st: KeyStatus) -> str:
+    """Who holds a key, in one line."""
+    where = " ".join(p for p in (st.worker, f"pid {st.pid}" if st.pid else None) if p)
+    return (
+        f"key {st.key} is held by task {st.task_id or '<unknown>'} ({st.task_name or 'unknown task'})"
+        + (f" on {where}" if where else "")
+        + f", {st.state} {progress_text(st.current, st.total, st.percent)}"
+        + f", for {duration(st.age)}, lease left {duration(st.ttl_left)}"
+    )
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (in the user info or a ``password=`` query parameter)."""
+    try:
+        parts = urlsplit(url)
+        has_password = parts.password is not None
+    except ValueError:
+        return "<invalid url>"
+    if has_password:
+        host = parts.netloc.rpartition("@")[2]
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
+
+
+def released_by() -> str:
+    """``user@host (celery singleflight release)``, recorded with a force-release."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (e.g. an arbitrary container uid)
+        user = f"uid{os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    return f"{user}@{socket.gethostname()} (celery singleflight release)"
+
+
+# -- plumbing -----------------------------------------------------------------------------
+
+
+def _preload(func: _F) -> _F:
+    """Celery's ``handle_preload_options``, typed (celery ships no types)."""
+    return cast(_F, handle_preload_options(func))
+
+
+def _exit(ctx: click.Context, code: int, message: str | None = None) -> NoReturn:
+    if message:
+        click.echo(message, err=True)
+    ctx.exit(code)
+    raise AssertionError("unreachable")  # ctx.exit always raises
+
+
+def _app(ctx: click.Context) -> Any:
+    return ctx.obj.app
+
+
+@contextlib.contextmanager
+def _handled(ctx: click.Context) -> Iterator[None]:
+    """Turn configuration and Redis errors into one line on stderr and an exit code."""
+    try:
+        yield
+    except ConfigurationError as exc:
+        _exit(ctx, EXIT_CONFIG, f"Error: configuration: {exc}")
+    except redis.RedisError as exc:
+        what = "unreachable" if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) else "error"
+        url = ""
+        with contextlib.suppress(Exception):
+            url = f" at {redacted(redis_url_for(_app(ctx).conf))}"
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        _exit(ctx, EXIT_REDIS, f"Error: Redis {what}{url}: {detail}")
+    except KeyboardInterrupt:
+        _exit(ctx, EXIT_INTERRUPTED, "interrupted")
+
+
+def _reader(ctx: click.Context) -> StatusReader:
+    try:
+        return reader(_app(ctx))
+    except ValueError as exc:  # ConfigurationError, or a Redis URL redis-py cannot parse
+        _exit(ctx, EXIT_CONFIG, f"Error: configuration: {exc}")
+
+
+def _not_held(ctx: click.Context, key: str, st: KeyStatus | None, verb: str = "is not held") -> NoReturn:
+    if st is not None:
+        ended = f"{duration(time.time() - st.ended)} ago" if st.ended is not None else "earlier"
+        _exit(ctx, EXIT_NOT_HELD, f"key {key} {verb}: its last run ended {st.outcome or st.state} {ended}")
+    hint = ""
+    if _DIGEST_MARK not in key and '"' not in key:
+        hint = (
+            "\nhint: give the key exactly as `celery singleflight ls` shows it;"
+            " string values keep their JSON quotes (e.g. 'job:\"a\"')"
+        )
+    _exit(ctx, EXIT_NOT_HELD, f"key {key} {verb}: nothing is known about it{hint}")
+
+
+def _option(*names: str, **kwargs: Any) -> Callable[[_F], _F]:
+    return click.option(*names, cls=CeleryOption, help_group=_GROUP, **kwargs)
+
+
+_json_option = _option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+@click.group(name="singleflight")
+@click.pass_context
+@_preload
+def singleflight(ctx: click.Context, /, **kwargs: Any) -> None:
+    """See and operate celery_singleflight keys: who holds them, their progress, force-release.
+
+    KEY is the rendered key as `ls` shows it (string values keep their JSON quotes, so quote
+    it for the shell: 'job:"a"'). Exit codes: 0 ok, 1 not held / aborted, 2 configuration,
+    3 Redis unreachable, 4 watched run did not succeed, 5 watch timed out.
+    """
+
+
+@singleflight.command(cls=CeleryCommand)
+@_option("--prefix", default="", metavar="PREFIX", help="Only keys that start with PREFIX (e.g. 'sync:').")
+@_json_option
+@click.pass_context
+def ls(ctx: click.Context, prefix: str, as_json: bool) -> None:
+    """List the held keys: holder task, state, progress, age and lease time left.
+
+    Prints a line saying so (exit 0) when no key is held; --json prints a list of statuses.
+    """
+    with _handled(ctx):
+        rows = _reader(ctx).held(prefix)
+    if as_json:
+        click.echo(_json([st.as_dict() for st in rows]))
+        return
+    if not rows:
+        where = f" starting with {prefix!r}" if prefix else ""
+        click.echo(f"no keys{where} are held")
+        return
+    for line in status_table(rows):
+        click.echo(line)
+
+
+@singleflight.command(cls=CeleryCommand)
+@click.argument("key")
+@_json_option
+@click.pass_context
+def show(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Everything known about KEY: holder, state, progress, times (ISO and relative).
+
+    Exits 0 when the key is held and 1 when it is not: for a run that ended (its status is kept
+    for singleflight_status_retention seconds) it still prints the status with its outcome; for
+    an unknown key it prints "not held" on stderr (and `null` with --json).
+    """
+    with _handled(ctx):
+        st = _reader(ctx).read(key)
+    if as_json:
+        click.echo(_json(None if st is None else st.as_dict()))
+    elif st is not None:
+        for line in status_lines(st):
+            click.echo(line)
+    if st is None or not st.held:
+        _not_held(ctx, key, st)
+
+
+@singleflight.command(cls=CeleryCommand)
+@click.argument("key")
+@_json_option
+@_option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+    help="Give up after SECONDS (exit 5) if the run has not ended by then.",
+)
+@click.pass_context
+def watch(ctx: click.Context, key: str, as_json: bool, timeout: float | None) -> None:
+    """Follow the run holding KEY live (its history first) until it ends.
+
+    A progress bar when stdout is a terminal and rich is installed, else one line per event;
+    --json prints one JSON object per event. Exits 0 if the run succeeded, 4 if it ended
+    otherwise (failed, revoked, lost, force-released, expired...), 1 if KEY is not held when
+    the watch starts, 5 on --timeout.
+    """
+    no_color = bool(getattr(ctx.obj, "no_color", False))
+    with _handled(ctx):
+        status_reader = _reader(ctx)
+        st = status_reader.read(key)
+        if st is None or not st.held:
+            _not_held(ctx, key, st)
+        events = status_reader.watch(key, timeout=timeout)
+        if as_json:
+            last = _follow_json(key, events)
+        elif _rich_wanted():
+            last = _follow_rich(st, events, no_color)
+        else:
+            click.echo(f"watching {holder_text(st)}", err=True)
+            last = _follow_plain(events)
+    if last is None or not last.final:
+        if timeout is not None:
+            _exit(ctx, EXIT_TIMEOUT, f"timed out after {duration(timeout)}: the run on key {key} goes on")
+        _exit(ctx, EXIT_ENDED_OTHERWISE, f"the run on key {key} ended; its outcome is unknown")
+    if last.state != "succeeded":
+        ctx.exit(EXIT_ENDED_OTHERWISE)
+
+
+def _rich_wanted() -> bool:
+    if not sys.stdout.isatty():
+        return False
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _follow_json(key: str, events: Iterator[WatchEvent]) -> WatchEvent | None:
+    last = None
+    for event in events:
+        click.echo(_json({"key": key, **event.as_dict()}, indent=None))
+        last = event
+    return last
+
+
+def _follow_plain(events: Iterator[WatchEvent]) -> WatchEvent | None:
+    last = None
+    for event in events:
+        click.echo(event_line(event))
+        last = event
+    return last
+
+
+def _follow_rich(st: KeyStatus, events: Iterator[WatchEvent], no_color: bool) -> WatchEvent | None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(no_color=no_color, highlight=False)
+    console.print(
+        f"watching [bold]{escape(st.key)}[/] task {escape(st.task_id or '?')}"
+        f" ({escape(st.task_name or 'unknown task')}); Ctrl-C stops watching, not the task"
+    )
+    last = None
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.fields[state]}"),
+        BarColumn(),
+        TextColumn("{task.fields[count]}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[message]}"),
+        console=console,
+    ) as bar:
+        task = bar.add_task(st.key, total=None, state=escape(st.state), count="", message="")
+        for event in events:
+            last = event
+            if not event.final and event.kind != "progress":  # e.g. a duplicate turned away
+                bar.console.print(escape(event_line(event)))
+                continue
+            if event.final:
+                if event.state == "succeeded":
+                    total = bar.tasks[0].total
+                    if total is not None:
+                        bar.update(task, completed=total)
+                bar.update(task, state=escape(event.state))
+                break
+            fields: dict[str, Any] = {
+                "state": escape(event.state or "-"),
+                "count": escape(progress_text(event.current, event.total, event.percent)),
+                "message": escape(event.message or ""),
+            }
+            if event.total:
+                fields["total"] = event.total
+            if event.current is not None:
+                fields["completed"] = event.current
+            bar.update(task, **fields)
+    if last is not None and last.final:
+        by = last.fields.get("by")
+        style = "green" if last.state == "succeeded" else "red"
+        console.print(f"[{style}]{escape(last.state)}[/]" + (f" by {escape(str(by))}" if by else ""))
+    return last
+
+
+@singleflight.command(cls=CeleryCommand)
+@click.argument("key")
+@_option("-f", "--force", is_flag=True, help="Do not ask for confirmation.")
+@_json_option
+@click.pass_context
+def release(ctx: click.Context, key: str, force: bool, as_json: bool) -> None:
+    """Force-release KEY, whoever holds it: the key is free at once.
+
+    Shows the holder and asks first (default no) unless --force. Only the holder shown is
+    released: if the key changed hands meanwhile, nothing is released (exit 1). The running task
+    is not stopped; its heartbeat reports the lease lost. Recorded (status, history, a WARNING
+    log and the lease_force_released signal) as released by user@host. Prints the released task
+    id (exit 0); exit 1 if the key is not held or the confirmation is declined.
+    """
+    by = released_by()
+    with _handled(ctx):
+        status_reader = _reader(ctx)
+        st = status_reader.read(key)
+        if st is None or not st.held:
+            if as_json:
+                click.echo(_json({"key": key, "released": False, "task_id": None, "by": by}))
+            _not_held(ctx, key, st)
+        click.echo(holder_text(st), err=as_json)
+        if not force:
+            try:
+                confirmed = click.confirm(
+                    "Force-release it? The task keeps running without its lease", default=False,
+                    err=as_json,
+                )
+            except click.Abort:  # end of input
+                confirmed = False
+            if not confirmed:
+                _exit(ctx, EXIT_NOT_HELD, "aborted")
+        released = status_reader.force_release(key, by, expected_holder=st.task_id or "")
+    if as_json:
+        click.echo(_json({"key": key, "released": released is not None, "task_id": released, "by": by}))
+    if released is None:
+        with _handled(ctx):
+            now = status_reader.read(key)
+        if now is not None and now.held:
+            _exit(ctx, EXIT_NOT_HELD, f"not released: key {key} is now held by another task ({now.task_id})")
+        _not_held(ctx, key, now, verb="was not released")
+    if not as_json:
+        click.echo(f"released key {key}, held by task {released}")

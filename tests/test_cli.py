@@ -1,0 +1,328 @@
+"""``celery -A sfapp singleflight ...`` run as a user runs it: a subprocess against a real worker.
+
+Exit codes under test (see celery_singleflight.cli): 0 ok, 1 not held / aborted,
+2 configuration error, 3 Redis unreachable, 4 watched run did not succeed, 5 watch timed out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import celery_singleflight as sf
+from celery_singleflight.cli import duration, progress_text, redacted, when
+from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
+
+from .conftest import TESTS, wait_for, worker_env
+
+pytestmark = pytest.mark.worker
+
+
+def cli_args(*args: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "sfapp", "singleflight", *args]
+
+
+def cli_env(redis_server: RedisServer, **extra: str) -> dict[str, str]:
+    return {**os.environ, **worker_env(redis_server, **extra)}
+
+
+def run_cli(
+    redis_server: RedisServer, *args: str, input: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cli_args(*args), cwd=TESTS, env={**cli_env(redis_server), **(env or {})},
+        capture_output=True, text=True, timeout=60, input=input,
+    )
+
+
+def start_cli(redis_server: RedisServer, *args: str) -> subprocess.Popen[str]:
+    """The CLI in the background (for commands that follow a run)."""
+    return subprocess.Popen(
+        cli_args(*args), cwd=TESTS, env=cli_env(redis_server), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 30) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def running(sfapp: ModuleType, key: str) -> sf.KeyStatus:
+    """Wait until ``key`` is held and has reported progress."""
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (st := sf.status(sfapp.app, key)) is not None and st.held and st.current is not None and st,
+        timeout=15,
+    )
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# -- formatting (no subprocess) --------------------------------------------------------------
+
+
+def test_formatting_helpers() -> None:
+    assert progress_text(3, 10, 30.0) == "3/10 30%"
+    assert progress_text(2.5, None, None) == "2.5"
+    assert progress_text(None, 10, None) == "-"
+    assert [duration(s) for s in (None, 4.24, 185, 7620, 273600)] == ["-", "4.2s", "3m05s", "2h07m", "3d04h"]
+    assert when(None) == "-"
+    assert when(1000.0, now=1012.5).endswith("(12.5s ago)")
+    assert redacted("redis://:secret@h:1/2") == "redis://:***@h:1/2"
+    assert redacted("rediss://u:p@h/0?ssl_cert_reqs=none") == "rediss://u:***@h/0?ssl_cert_reqs=none"
+    assert redacted("unix:///run/r.sock?db=2&password=zz") == "unix:///run/r.sock?db=2&password=***"
+    assert redacted("redis://h:6379/2") == "redis://h:6379/2"
+    assert re.match(r"^19\d\d-\d\d-\d\dT\d\d:\d\d:\d\d\.000[+-]\d\d:\d\d \(in 2\.0s\)$", when(0.0, now=-2.0))
+
+
+def test_help_lists_every_command_and_option(redis_server: RedisServer, sfapp: ModuleType) -> None:
+    """The plugin is found through the celery.commands entry point, with help texts."""
+    top = run_cli(redis_server, "--help")
+    assert top.returncode == 0, top.stderr
+    for command in ("ls", "show", "watch", "release"):
+        assert re.search(rf"^\s+{command}\s+\S", top.stdout, re.MULTILINE), top.stdout
+    watch = run_cli(redis_server, "watch", "--help")
+    assert watch.returncode == 0
+    assert "--timeout SECONDS" in watch.stdout and "--json" in watch.stdout and "exit 5" in watch.stdout
+
+
+# -- ls ------------------------------------------------------------------------------------
+
+
+def test_ls_lists_a_held_key(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    result = sfapp.sleeper.delay("cli-ls", 5)
+    wait_for(lambda: sfapp.recorder.get("pid:cli-ls"), timeout=15)
+    key = 'k:"cli-ls"'
+
+    table = run_cli(redis_server, "ls")
+    assert table.returncode == 0, table.stderr
+    header, *rows = table.stdout.splitlines()
+    assert header.split() == ["KEY", "TASK", "ID", "TASK", "STATE", "PROGRESS", "AGE", "TTL"]
+    row = next(r for r in rows if r.startswith(key + " "))
+    assert result.id[:8] in row and "sfapp.sleeper" in row and "running" in row
+    assert re.search(r"\s-\s+\d+\.\ds\s+\d+\.\ds$", row), row  # no progress; age; lease left
+
+    listed = run_cli(redis_server, "ls", "--json")
+    assert listed.returncode == 0, listed.stderr
+    found = {item["key"]: item for item in json.loads(listed.stdout)}
+    assert found[key]["task_id"] == result.id and found[key]["held"] is True
+    assert 0 < found[key]["ttl_left"] <= 30
+
+    kept = run_cli(redis_server, "ls", "--prefix", 'k:"cli-')
+    assert kept.returncode == 0 and key in kept.stdout and result.id[:8] in kept.stdout
+    dropped = run_cli(redis_server, "ls", "--prefix", "job:")
+    assert dropped.returncode == 0
+    assert key not in dropped.stdout and "no keys starting with 'job:' are held" in dropped.stdout
+    dropped_json = run_cli(redis_server, "ls", "--prefix", "job:", "--json")
+    assert dropped_json.returncode == 0 and json.loads(dropped_json.stdout) == []
+
+
+# -- show ----------------------------------------------------------------------------------
+
+
+def test_show_a_running_then_ended_key_and_an_unknown_one(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    result = sfapp.reporting.delay("cli-show", 10, 0.3)
+    key = sfapp.reporting.render_key("cli-show")
+    assert key == 'job:"cli-show"'
+    running(sfapp, key)
+
+    shown = run_cli(redis_server, "show", key)
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(re.findall(r"^([a-z /]+):\s+(.*)$", shown.stdout, re.MULTILINE))
+    assert fields["key"] == key and fields["held"] == "yes" and fields["state"] == "loading"
+    assert fields["task id"] == result.id and fields["task name"] == "sfapp.reporting"
+    assert re.fullmatch(r"\d+/10 \d+%", fields["progress"]), fields["progress"]
+    assert re.fullmatch(r"step \d+", fields["message"])
+    iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
+    assert re.fullmatch(iso + r" \(\d+\.\ds ago\)", fields["started"]), fields["started"]
+    assert fields["ttl left"].endswith("s") and fields["ended"] == "-"
+
+    as_json = run_cli(redis_server, "show", key, "--json")
+    assert as_json.returncode == 0
+    data = json.loads(as_json.stdout)
+    assert data["held"] is True and data["task_id"] == result.id and data["total"] == 10
+
+    unknown = run_cli(redis_server, "show", 'job:"nobody"')
+    assert unknown.returncode == 1 and unknown.stdout == ""
+    assert "not held" in unknown.stderr and "Traceback" not in unknown.stderr
+
+    assert result.get(timeout=15) == 10
+    ended = run_cli(redis_server, "show", key)
+    assert ended.returncode == 1  # not held any more, but its outcome is still shown
+    assert "held:        no (the run ended: succeeded)" in ended.stdout and "10/10 100%" in ended.stdout
+    assert "not held" in ended.stderr and "succeeded" in ended.stderr
+
+
+# -- watch ---------------------------------------------------------------------------------
+
+
+def test_watch_json_and_plain_follow_a_run_to_its_end(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    sfapp.reporting.delay("cli-watch", 8, 0.25)
+    sfapp.reporting.delay("cli-plain", 8, 0.25)
+    running(sfapp, 'job:"cli-watch"')
+    running(sfapp, 'job:"cli-plain"')
+    as_json = start_cli(redis_server, "watch", 'job:"cli-watch"', "--json")
+    plain = start_cli(redis_server, "watch", 'job:"cli-plain"', "--timeout", "30")
+
+    code, out, err = finish(as_json)
+    assert code == 0, err
+    events = json_lines(out)
+    assert len(events) >= 3
+    assert all(e["key"] == 'job:"cli-watch"' for e in events)
+    assert events[-1]["kind"] == "end" and events[-1]["state"] == "succeeded"
+    progress = events[:-1]
+    assert all(e["kind"] == "progress" for e in progress)
+    currents = [e["current"] for e in progress]
+    assert currents == sorted(set(currents)) and currents[-1] == 8  # strictly increasing, to the end
+    assert progress[-1]["state"] == "finishing" and progress[0]["total"] == 8
+
+    code, out, err = finish(plain)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} progress loading \d/8 \d+% step \d", lines[0]), lines[0]
+    assert lines[-2].endswith("progress finishing 8/8 100%")
+    assert lines[-1].endswith(" end succeeded")
+    assert "watching key job:\"cli-plain\"" in err
+
+
+def test_watch_draws_a_progress_bar_on_a_terminal(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    sfapp.reporting.delay("cli-tty", 6, 0.2)
+    running(sfapp, 'job:"cli-tty"')
+    master, replica = pty.openpty()
+    env = {**cli_env(redis_server), "COLUMNS": "120", "TERM": "xterm"}
+    proc = subprocess.Popen(
+        cli_args("watch", 'job:"cli-tty"'), cwd=TESTS, env=env, stdin=subprocess.DEVNULL,
+        stdout=replica, stderr=subprocess.PIPE, text=True,
+    )
+    os.close(replica)
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the child closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=30)
+        reader.join(timeout=5)
+    finally:
+        os.close(master)
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.stderr.close()
+    screen = b"".join(chunks).decode(errors="replace")
+    assert code == 0, err
+    assert "━" in screen and "6/6 100%" in screen  # rich's bar, filled at the end
+    assert "succeeded" in screen
+
+
+# -- release -------------------------------------------------------------------------------
+
+
+def test_release_asks_then_forces_and_the_holder_loses_its_lease(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    result = sfapp.sleeper.delay("cli-rel", 6)
+    wait_for(lambda: sfapp.recorder.get("pid:cli-rel"), timeout=15)
+    key = 'k:"cli-rel"'
+    record_key = sfapp.sleeper.render_key("cli-rel")
+    assert record_key == key
+
+    timed_out = run_cli(redis_server, "watch", key, "--timeout", "0.5")
+    assert timed_out.returncode == 5 and "timed out" in timed_out.stderr
+    watcher = start_cli(redis_server, "watch", key, "--json")
+
+    declined = run_cli(redis_server, "release", key, input="n\n")
+    assert declined.returncode == 1
+    assert result.id in declined.stdout and "[y/N]" in declined.stdout and "aborted" in declined.stderr
+    assert sfapp.sleeper.store.holder_record(key)["task_id"] == result.id  # still held
+
+    no_input = run_cli(redis_server, "release", key, input="")  # end of input declines too
+    assert no_input.returncode == 1 and "aborted" in no_input.stderr
+    assert sfapp.sleeper.store.holder_record(key)["task_id"] == result.id
+
+    forced = run_cli(redis_server, "release", key, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert result.id in forced.stdout and "[y/N]" not in forced.stdout
+    assert sfapp.sleeper.store.holder_record(key) == {}
+    st = sf.status(sfapp.app, key)
+    assert st is not None and st.state == "force-released" and not st.held
+    assert st.released_by is not None and st.released_by.endswith("(celery singleflight release)")
+
+    # the watcher sees the end: not a success
+    code, out, err = finish(watcher)
+    assert code == 4, err
+    end = json_lines(out)[-1]
+    assert end["kind"] == "end" and end["state"] == "force-released"
+    assert end["fields"]["by"] == st.released_by
+
+    again = run_cli(redis_server, "release", key, "--force")
+    assert again.returncode == 1 and "not held" in again.stderr and again.stdout == ""
+    unknown = run_cli(redis_server, "release", 'k:"nobody"', "--force", "--json")
+    assert unknown.returncode == 1 and json.loads(unknown.stdout)["released"] is False
+
+    # the running task finds out (heartbeat or its own release at the end) and says so
+    wait_for(lambda: f"lease lost: key='{key}'" in shared_worker.log(), timeout=15, interval=0.2)
+    assert result.get(timeout=15) == "slept"
+
+
+def test_release_json_keeps_stdout_machine_readable(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    result = sfapp.sleeper.delay("cli-relj", 3)
+    wait_for(lambda: sfapp.recorder.get("pid:cli-relj"), timeout=15)
+    released = run_cli(redis_server, "release", 'k:"cli-relj"', "--json", input="y\n")
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout) == {
+        "key": 'k:"cli-relj"', "released": True, "task_id": result.id,
+        "by": json.loads(released.stdout)["by"],
+    }
+    assert "[y/N]" in released.stderr and result.id in released.stderr
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [("ls",), ("watch", 'k:"x"'), ("release", "--force", 'k:"x"')])
+def test_redis_unreachable_is_one_line_and_exit_3(
+    sfapp: ModuleType, redis_server: RedisServer, command: tuple[str, ...]
+) -> None:
+    nowhere = f"redis://127.0.0.1:{free_port()}/2"
+    out = run_cli(redis_server, *command, env={"SF_TEST_LEASE_REDIS": nowhere})
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Redis unreachable" in lines[0] and nowhere in lines[0]
+
+
+def test_configuration_error_is_exit_2(sfapp: ModuleType, redis_server: RedisServer) -> None:
+    out = run_cli(redis_server, "ls", env={"SF_TEST_LEASE_REDIS": "http://127.0.0.1/2"})
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "is not a Redis URL" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
