@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import signals, worker_events, worker_hooks  # noqa: F401  (they connect worker receivers)
+from . import queueing, signals, worker_events, worker_hooks  # noqa: F401  (worker receivers, tasks)
 
 # errors
 from .errors import (
@@ -14,9 +14,13 @@ from .errors import (
     LockHeld,
     NotInsideRun,
     ProgressError,
+    QueueFull,
     RedisUnavailable,
     SingleFlightError,
 )
+
+# outside tasks
+from .hold import HoldLease, hold
 
 # keys
 from .keys import MAX_KEY_LENGTH, KeyLayout, canonical, compile_key, digest_key
@@ -53,6 +57,7 @@ __all__ = [
     "LockHeld",
     "NotInsideRun",
     "ProgressError",
+    "QueueFull",
     "RedisUnavailable",
     "SingleFlightError",
     # keys
@@ -81,6 +86,9 @@ __all__ = [
     # settings
     "Options",
     "resolve_options",
+    # outside tasks
+    "HoldLease",
+    "hold",
     # signals module
     "signals",
     "__version__",

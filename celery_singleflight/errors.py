@@ -4,6 +4,7 @@
     ├── ConfigurationError      (bad setting or task option; raised at definition / worker start)
     │   └── KeyTemplateError    (a lock_key template that cannot be rendered)
     ├── LockHeld                (the `raise` outcome of a duplicate: key, holder, time left)
+    │   └── QueueFull           (the `queue` policy's overflow outcome: max_queued runs wait)
     ├── LeaseLost               (the lease of the running task is gone)
     ├── NotInsideRun            (lease/progress used outside a SingleFlightTask run)
     ├── ProgressError           (a progress() call with bad values; also a ValueError)
@@ -22,6 +23,7 @@ __all__ = [
     "LockHeld",
     "NotInsideRun",
     "ProgressError",
+    "QueueFull",
     "RedisUnavailable",
     "SingleFlightError",
 ]
@@ -51,6 +53,21 @@ class LockHeld(SingleFlightError):
     def __str__(self) -> str:
         left = "unknown" if self.ttl_left is None else f"{self.ttl_left:.1f}s"
         return f"key {self.key!r} is held by task {self.holder or '<unknown>'} (lease time left: {left})"
+
+
+class QueueFull(LockHeld):
+    """The key's queue already has ``max_queued`` parked runs; this duplicate was not parked."""
+
+    def __init__(self, key: str, holder: str | None = None, ttl_left: float | None = None,
+                 queued: int = 0) -> None:
+        SingleFlightError.__init__(self, key, holder, ttl_left, queued)
+        self.key = key
+        self.holder = holder
+        self.ttl_left = ttl_left
+        self.queued = queued
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; its queue is full ({self.queued} waiting, max_queued reached)"
 
 
 class LeaseLost(SingleFlightError):

@@ -22,7 +22,7 @@ from .errors import LeaseLost
 from .keys import KeyLayout
 from .progress import ProgressReporter
 
-__all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "process_alive"]
+__all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "Parked", "Released", "process_alive"]
 
 log_acquire = logging.getLogger("celery_singleflight.acquire")
 log_release = logging.getLogger("celery_singleflight.release")
@@ -31,6 +31,28 @@ log_renew = logging.getLogger("celery_singleflight.renew")
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def _due_ms(seconds_from_now: float) -> int:
+    return int((mod_time.time() + seconds_from_now) * 1000)
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Released:
+    """What a release did: ``ours`` (the lease was this run's), and the message of the parked
+    run that was handed the key, which the caller must send. Truthy when ``ours``."""
+
+    __slots__ = ("handoff", "ours")
+
+    def __init__(self, ours: bool, handoff: str | None = None) -> None:
+        self.ours = ours
+        self.handoff = handoff
+
+    def __bool__(self) -> bool:
+        return self.ours
 
 
 _HOST = socket.gethostname()
@@ -66,11 +88,24 @@ class Acquired:
 
 @dataclass(frozen=True)
 class Held:
-    """Someone else holds the key: their task id and the lease time they have left."""
+    """Someone else holds the key: their task id and the lease time they have left.
+
+    ``handoff`` is set when the key was free but runs were parked: the first of them got the key
+    and the caller must send this message (the parked run) to the broker.
+    """
 
     holder: str
     ttl_left: float
+    handoff: str | None = None
     acquired = False
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A duplicate parked in the key's queue: its place, and the holder's lease time left."""
+
+    position: int
+    holder_ttl_left: float
 
 
 @dataclass(eq=False)
@@ -149,6 +184,8 @@ class LeaseStore:
         self._progress = client.register_script(scripts.PROGRESS)
         self._revise = client.register_script(scripts.REVISE_OUTCOME)
         self._note_duplicate = client.register_script(scripts.NOTE_DUPLICATE)
+        self._park = client.register_script(scripts.PARK)
+        self._resume = client.register_script(scripts.RESUME)
 
     def lease_key(self, key: str) -> str:
         return self.layout.redis_key(key, "lease")
@@ -162,22 +199,87 @@ class LeaseStore:
     def history_key(self, key: str) -> str:
         return self.layout.redis_key(key, "history")
 
+    def queue_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "queue")
+
+    def parked_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "parked")
+
     def _run_keys(self, key: str) -> list[str]:
         return [self.lease_key(key), self.status_key(key), self.history_key(key)]
 
+    def _queue_keys(self, key: str) -> list[str]:
+        return [self.lease_key(key), self.queue_key(key), self.parked_key(key)]
+
     def acquire(
-        self, key: str, token: str, ttl: float, holder: Holder, fence_retention: float = 86400.0
+        self, key: str, token: str, ttl: float, holder: Holder, fence_retention: float = 86400.0,
+        handoff: str = "",
     ) -> Acquired | Held:
-        """One round trip: take the key, or learn who holds it and for how long."""
+        """One round trip: take the key, or learn who holds it and for how long.
+
+        ``handoff``: the token a parked run was re-sent with; it adopts the lease reserved for it.
+        A run that was never parked does not jump the queue: if runs are parked on a free key,
+        the first of them gets it (see :attr:`Held.handoff`).
+        """
+        entry = f"{holder.task_id}|{handoff}" if handoff else ""
         reply = self._acquire(
-            keys=[self.lease_key(key), self.fence_key(key)],
+            keys=[self.lease_key(key), self.fence_key(key), self.queue_key(key), self.parked_key(key)],
             args=[token, _ms(ttl), holder.task_id, holder.host, holder.pid, holder.worker,
-                  _ms(fence_retention), holder.task_name],
+                  _ms(fence_retention), holder.task_name, handoff, entry],
         )
         if int(reply[0]) == 1:
             return Acquired(fence=int(reply[1]), since=int(reply[2]) / 1000.0)
-        holder_id = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-        return Held(holder=holder_id, ttl_left=max(0, int(reply[2])) / 1000.0)
+        message = _str(reply[3]) if int(reply[0]) == 2 else None
+        return Held(holder=_str(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message)
+
+    def waiting_index_key(self) -> str:
+        """Per namespace: the keys that have parked runs, scored by when to check them (ms)."""
+        return f"{self.layout.namespace}:waiting"
+
+    def park(self, key: str, task_id: str, handoff: str, message: str, max_queued: int | None,
+             grace: float) -> Parked | int | None:
+        """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is full,
+        or None if the key is free now (acquire again).
+
+        The key is also entered in the namespace's waiting index, due when the holder's lease
+        would run out, so that a queue whose holder died is resumed by a worker's sweeper.
+        """
+        reply = self._park(
+            keys=self._queue_keys(key),
+            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued],
+        )
+        code = int(reply[0])
+        if code == -1:
+            return None
+        if code == -2:
+            return int(reply[1])
+        ttl_left = int(reply[1]) / 1000.0
+        self.client.zadd(self.waiting_index_key(), {key: _due_ms(ttl_left + grace)}, lt=True)
+        return Parked(position=code, holder_ttl_left=ttl_left)
+
+    def resume(self, key: str, ttl: float, grace: float) -> str | None:
+        """Check one waiting key: hand it to its first parked run if it is free (returns that
+        run's message, to be sent), and plan the next check (or drop it from the index)."""
+        reply = self._resume(keys=self._queue_keys(key), args=[_ms(ttl)])
+        code = int(reply[0])
+        index = self.waiting_index_key()
+        if code == 0:
+            self.client.zrem(index, key)
+            if self.client.llen(self.queue_key(key)):  # parked meanwhile: keep it in the index
+                self.client.zadd(index, {key: _due_ms(grace)}, lt=True)
+            return None
+        self.client.zadd(index, {key: _due_ms(int(reply[1]) / 1000.0 + grace)})
+        return _str(reply[2]) if code == 2 else None
+
+    def due_waiting(self, limit: int = 100) -> list[str]:
+        """Keys of this namespace whose queue check is due."""
+        raw: list[Any] = self.client.zrangebyscore(
+            self.waiting_index_key(), "-inf", _due_ms(0), start=0, num=limit
+        )
+        return [_str(k) for k in raw]
+
+    def queued(self, key: str) -> int:
+        return int(self.client.llen(self.queue_key(key)))
 
     def renew(self, leases: Sequence[Lease]) -> list[bool]:
         """One round trip for any number of leases; True where the lease is still ours."""
@@ -192,13 +294,15 @@ class LeaseStore:
         reply = self._renew_many(keys=keys, args=args)
         return [int(x) == 1 for x in reply]
 
-    def release(self, key: str, token: str, outcome: str = "succeeded") -> bool:
-        """One round trip: free the key if the lease is ours and record the run's outcome."""
+    def release(self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0) -> Released:
+        """One round trip: free the key if the lease is ours, record the run's outcome, and hand
+        the key to the first parked run (whose message the caller must then send)."""
         retention = _ms(self.status_retention) if self.status_retention > 0 else 0
         reply = self._release(
-            keys=self._run_keys(key), args=[token, outcome, retention, self.history_length]
+            keys=[*self._run_keys(key), self.queue_key(key), self.parked_key(key)],
+            args=[token, outcome, retention, self.history_length, _ms(ttl)],
         )
-        return int(reply) == 1
+        return Released(int(reply[0]) == 1, _str(reply[1]) if len(reply) > 1 else None)
 
     def force_release(self, key: str, by: str, expected_holder: str = "") -> tuple[str, int] | None:
         """Free ``key`` whoever holds it (an operator's decision); None if it was not held.

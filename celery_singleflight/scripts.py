@@ -11,15 +11,48 @@ __all__ = [
     "ACQUIRE",
     "FORCE_RELEASE",
     "NOTE_DUPLICATE",
+    "PARK",
     "PROGRESS",
     "RELEASE",
     "RENEW_MANY",
+    "RESUME",
     "REVISE_OUTCOME",
 ]
 
-ACQUIRE = """
+# Shared by ACQUIRE, RELEASE and RESUME: hand the key to the first parked run. The lease is
+# reserved for it (its handoff token) until it starts and adopts it, or the reservation expires;
+# its entry stays in the queue until then, so a crash before the message is sent loses nothing.
+_HAND_OFF = """
+local function hand_off(lease, queue, parked, ttl_ms, now_ms)
+  while true do
+    local head = redis.call('LINDEX', queue, 0)
+    if not head then
+      return false
+    end
+    local sep = string.find(head, '|', 1, true)
+    local id = string.sub(head, 1, sep - 1)
+    local msg = redis.call('HGET', parked, id)
+    if msg then
+      redis.call('DEL', lease)
+      redis.call('HSET', lease, 'token', string.sub(head, sep + 1), 'task_id', id, 'reserved', '1',
+        'since', now_ms, 'host', '', 'pid', '0', 'worker', '', 'fence', '0', 'task_name', '')
+      redis.call('PEXPIRE', lease, ttl_ms)
+      return msg
+    end
+    redis.call('LPOP', queue) -- an entry without its message cannot run
+  end
+end
+local function clock_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
+end
+"""
+
+ACQUIRE = _HAND_OFF + """
 -- KEYS[1] - lease hash of the key
 -- KEYS[2] - fence counter of the key
+-- KEYS[3] - queue of parked runs (list of 'task id|handoff token')
+-- KEYS[4] - parked messages (hash: task id -> message)
 -- ARGV[1] - token unique to this execution
 -- ARGV[2] - lease TTL, milliseconds
 -- ARGV[3] - holder task id
@@ -28,20 +61,81 @@ ACQUIRE = """
 -- ARGV[6] - holder worker node name
 -- ARGV[7] - fence counter TTL, milliseconds (set when the counter is seeded)
 -- ARGV[8] - holder task name
--- return {1, fence, since_ms} if acquired, {0, holder task id, lease ms left} if held
+-- ARGV[9] - handoff token this run was sent with ('' if it was never parked)
+-- ARGV[10] - this run's queue entry 'task id|handoff token' ('' if never parked)
+-- return {1, fence, since_ms} if acquired, {0, holder task id, lease ms left} if held,
+--        {2, holder task id, lease ms left, message} if free but handed to the first parked run
+local now_ms, now = clock_ms()
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('HGET', KEYS[1], 'task_id') or '', redis.call('PTTL', KEYS[1])}
+  if ARGV[9] == '' or redis.call('HGET', KEYS[1], 'token') ~= ARGV[9] then
+    return {0, redis.call('HGET', KEYS[1], 'task_id') or '', redis.call('PTTL', KEYS[1])}
+  end
+  redis.call('DEL', KEYS[1]) -- adopting the reservation made for this run
+elseif ARGV[10] == '' or redis.call('LINDEX', KEYS[3], 0) ~= ARGV[10] then
+  local msg = hand_off(KEYS[1], KEYS[3], KEYS[4], ARGV[2], string.format('%.0f', now_ms))
+  if msg then
+    return {2, redis.call('HGET', KEYS[1], 'task_id'), redis.call('PTTL', KEYS[1]), msg}
+  end
 end
-local now = redis.call('TIME')
+if ARGV[10] ~= '' then
+  redis.call('LREM', KEYS[3], 1, ARGV[10])
+  redis.call('HDEL', KEYS[4], string.sub(ARGV[10], 1, string.find(ARGV[10], '|', 1, true) - 1))
+end
 -- a missing counter is seeded from the clock (microseconds), so fences keep growing after
 -- Redis lost its data or the counter expired; INCR keeps the TTL set here
 redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'NX', 'PX', ARGV[7])
 local fence = redis.call('INCR', KEYS[2])
-local since = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+local since = string.format('%.0f', now_ms)
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'worker', ARGV[6], 'fence', string.format('%.0f', fence), 'since', since, 'task_name', ARGV[8])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, fence, since}
+"""
+
+PARK = _HAND_OFF + """
+-- KEYS[1] - lease hash of the key
+-- KEYS[2] - queue of parked runs
+-- KEYS[3] - parked messages
+-- ARGV[1] - the entry 'task id|handoff token'
+-- ARGV[2] - the message to send when it is its turn
+-- ARGV[3] - the most runs that may wait (-1: no limit)
+-- return {-1} if the key is free (acquire again), {-2, length} if the queue is full,
+--        {position, holder's lease ms left} once parked
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {-1}
+end
+local length = redis.call('LLEN', KEYS[2])
+if tonumber(ARGV[3]) >= 0 and length >= tonumber(ARGV[3]) then
+  return {-2, length}
+end
+local id = string.sub(ARGV[1], 1, string.find(ARGV[1], '|', 1, true) - 1)
+if not redis.call('HGET', KEYS[3], id) then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  length = length + 1
+end
+redis.call('HSET', KEYS[3], id, ARGV[2])
+return {length, math.max(redis.call('PTTL', KEYS[1]), 0)}
+"""
+
+RESUME = _HAND_OFF + """
+-- KEYS[1] - lease hash of the key
+-- KEYS[2] - queue of parked runs
+-- KEYS[3] - parked messages
+-- ARGV[1] - lease TTL for a handoff reservation, milliseconds
+-- return {0} if nothing waits, {1, lease ms left} if the key is held (check again then),
+--        {2, reservation ms, message} if the key was free and is now handed to the first parked run
+if redis.call('LLEN', KEYS[2]) == 0 then
+  return {0}
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {1, math.max(redis.call('PTTL', KEYS[1]), 0)}
+end
+local now_ms = clock_ms()
+local msg = hand_off(KEYS[1], KEYS[2], KEYS[3], ARGV[1], string.format('%.0f', now_ms))
+if msg then
+  return {2, tonumber(ARGV[1]), msg}
+end
+return {0}
 """
 
 RENEW_MANY = """
@@ -90,24 +184,28 @@ end
 local LEASE_FIELDS = {'task_id', 'worker', 'host', 'pid', 'fence', 'since', 'task_name'}
 """
 
-RELEASE = _STATUS_FOR_RUN + """
+RELEASE = _STATUS_FOR_RUN + _HAND_OFF + """
 -- KEYS[1] - lease hash of the key
 -- KEYS[2] - status hash of the key
 -- KEYS[3] - history stream of the key
+-- KEYS[4] - queue of parked runs
+-- KEYS[5] - parked messages
 -- ARGV[1] - token of the holder
 -- ARGV[2] - outcome of the run (succeeded, failed, retried, revoked, ...)
 -- ARGV[3] - status retention, milliseconds (0: record nothing)
 -- ARGV[4] - history length cap
--- return 1 if released, 0 if the lease was not ours
+-- ARGV[5] - lease TTL for a handoff reservation, milliseconds
+-- return {0} if the lease was not ours, {1} if released, {1, message} if released and handed
+--        to the first parked run (the caller sends the message)
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
-  return 0
+  return {0}
 end
 local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
 redis.call('DEL', KEYS[1])
 local retention = tonumber(ARGV[3])
+local now = now_ms()
 if retention > 0 then
   local fence = status_for_run(holder, KEYS[2], KEYS[3])
-  local now = now_ms()
   redis.call('HSET', KEYS[2], 'state', ARGV[2], 'outcome', ARGV[2], 'ended', now, 'updated', now)
   redis.call('PEXPIRE', KEYS[2], retention)
   if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -116,7 +214,11 @@ if retention > 0 then
     redis.call('PEXPIRE', KEYS[3], retention)
   end
 end
-return 1
+local msg = hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now)
+if msg then
+  return {1, msg}
+end
+return {1}
 """
 
 FORCE_RELEASE = _STATUS_FOR_RUN + """

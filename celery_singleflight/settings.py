@@ -17,7 +17,7 @@ from .keys import KeyLayout
 
 __all__ = ["DEFAULTS", "POLICIES", "REDIS_ERROR_MODES", "Options", "resolve_options"]
 
-POLICIES = ("raise", "skip", "retry")
+POLICIES = ("raise", "skip", "retry", "queue")
 REDIS_ERROR_MODES = ("fail_closed", "fail_open")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -39,6 +39,7 @@ DEFAULTS: dict[str, tuple[str, Any]] = {
     "progress_max_bytes": ("progress_max_bytes", 8192),
     "progress_events": ("progress_events", None),  # None: follow the worker's -E
     "status_include_args": ("status_include_args", False),
+    "max_queued": ("max_queued", None),  # None: no limit
 }
 
 
@@ -62,6 +63,7 @@ class Options:
     progress_max_bytes: int
     progress_events: bool | None
     status_include_args: bool
+    max_queued: int | None
 
 
 def _conf_get(conf: Any, name: str) -> Any:
@@ -157,6 +159,9 @@ def resolve_options(task: Any, conf: Any) -> Options:
         progress_max_bytes=_count(where("progress_max_bytes"), values["progress_max_bytes"], minimum=64),
         progress_events=_flag(where("progress_events"), values["progress_events"], allow_none=True),
         status_include_args=bool(_flag(where("status_include_args"), values["status_include_args"])),
+        max_queued=None if values["max_queued"] is None else _count(
+            where("max_queued"), values["max_queued"], minimum=0
+        ),
     )
 
 

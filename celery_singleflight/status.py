@@ -115,14 +115,18 @@ class WatchEvent:
         return asdict(self)
 
 
-def _combine(key: str, lease: dict[str, str], pttl: int, st: dict[str, str]) -> KeyStatus | None:
-    if not lease and not st:
+def _combine(
+    key: str, lease: dict[str, str], pttl: int, st: dict[str, str], queued: int = 0
+) -> KeyStatus | None:
+    if not lease and not st and not queued:
         return None
     is_held = bool(lease)
     same_run = bool(st) and (not is_held or st.get("fence") == lease.get("fence"))
     run = st if same_run else {}
     holder = lease if is_held else st
     state = run.get("state") or ("running" if is_held else "unknown")
+    if lease.get("reserved") == "1":
+        state = "handing-off"  # reserved for the next parked run, which has not started yet
     current, total = _num(run.get("current")), _num(run.get("total"))
     percent = round(100.0 * current / total, 2) if current is not None and total else None
     pid = holder.get("pid")
@@ -147,6 +151,7 @@ def _combine(key: str, lease: dict[str, str], pttl: int, st: dict[str, str]) -> 
         ended=None if is_held else _ms_to_s(run.get("ended")),
         outcome=None if is_held else run.get("outcome"),
         ttl_left=max(0, pttl) / 1000.0 if is_held else None,
+        queued=queued,
         duplicates=int(run.get("duplicates") or 0),
         released_by=run.get("released_by"),
         args=json.loads(run["args"]) if run.get("args") else None,
@@ -188,8 +193,9 @@ class StatusReader:
         pipe.hgetall(self.store.lease_key(key))
         pipe.pttl(self.store.lease_key(key))
         pipe.hgetall(self.store.status_key(key))
-        lease, pttl, st = pipe.execute()
-        return _combine(key, _text(lease), int(pttl), _text(st))
+        pipe.llen(self.store.queue_key(key))
+        lease, pttl, st, queued = pipe.execute()
+        return _combine(key, _text(lease), int(pttl), _text(st), int(queued))
 
     def held(self, prefix: str = "", count: int = 1000) -> list[KeyStatus]:
         """Every held key whose user key starts with ``prefix``, found with SCAN (never KEYS)."""
@@ -210,10 +216,11 @@ class StatusReader:
                 pipe.hgetall(self.store.lease_key(key))
                 pipe.pttl(self.store.lease_key(key))
                 pipe.hgetall(self.store.status_key(key))
+                pipe.llen(self.store.queue_key(key))
             replies = pipe.execute()
             for i, key in enumerate(batch):
-                lease, pttl, st = replies[3 * i : 3 * i + 3]
-                found = _combine(key, _text(lease), int(pttl), _text(st))
+                lease, pttl, st, queued = replies[4 * i : 4 * i + 4]
+                found = _combine(key, _text(lease), int(pttl), _text(st), int(queued))
                 if found is not None and found.held:
                     out.append(found)
         return sorted(out, key=lambda s: s.key)

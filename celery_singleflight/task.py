@@ -32,11 +32,12 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import outcome, signals
 from .connection import redis_client
-from .errors import LeaseLost, LockHeld, NotInsideRun, RedisUnavailable
+from .errors import LeaseLost, LockHeld, NotInsideRun, QueueFull, RedisUnavailable
 from .heartbeat import heartbeat_for
 from .keys import KeyFunction, KeyLayout, canonical, compile_key
-from .lease import Held, Holder, Lease, LeaseStore
+from .lease import Held, Holder, Lease, LeaseStore, Parked
 from .progress import ProgressReporter, ProgressUpdate, make_update
+from .queueing import RESUME_GRACE, send_parked
 from .settings import Options, resolve_options
 from .worker_events import worker_sends_task_events
 
@@ -49,6 +50,10 @@ log_duplicate = logging.getLogger("celery_singleflight.duplicate")
 #: message headers carried by re-sent duplicates (the retry policy and fail_closed)
 HEADER_FIRST_SEEN = "singleflight_first_seen"
 HEADER_ATTEMPT = "singleflight_attempt"
+#: message header of a parked run re-sent by the ``queue`` policy: its handoff token
+HEADER_HANDOFF = "singleflight_handoff"
+_ACQUIRE_AGAIN = object()  # a duplicate found the key free again: try to take it
+_ACQUIRE_ATTEMPTS = 5
 _REQUEST_ATTR = "singleflight_lease"
 _MIN_DELAY = 0.05
 _BASE_DELAY = 0.1
@@ -176,15 +181,27 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         store = _options_store(opts)
         task_id = request.id or ""
         token = uuid.uuid4().hex
-        try:
-            got = store.acquire(
-                key, token, opts.ttl, Holder(task_id, request.hostname or "", self.name),
-                opts.fence_retention,
-            )
-        except redis.RedisError as exc:
-            return self._sf_redis_unavailable(key, exc, args, kwargs)
-        if isinstance(got, Held):
-            return self._sf_duplicate(key, got, args, kwargs)
+        handoff = str(self._sf_header(HEADER_HANDOFF) or "")
+        holder = Holder(task_id, request.hostname or "", self.name)
+        for _ in range(_ACQUIRE_ATTEMPTS):
+            try:
+                got = store.acquire(key, token, opts.ttl, holder, opts.fence_retention, handoff)
+            except redis.RedisError as exc:
+                return self._sf_redis_unavailable(key, exc, args, kwargs)
+            if not isinstance(got, Held):
+                break
+            if got.handoff is not None:
+                send_parked(self.app, got.handoff, key)
+            if handoff and got.holder != task_id:
+                # a parked run whose turn has not come: its entry is still in the queue
+                log_duplicate.info("%s[%s] stays parked on key=%r behind %s", self.name, task_id, key,
+                                   got.holder)
+                raise Ignore()
+            outcome = self._sf_duplicate(key, got, args, kwargs)
+            if outcome is not _ACQUIRE_AGAIN:
+                return outcome
+        else:
+            raise LockHeld(key, None, None)
         lease = Lease(
             key=key, token=token, fence=got.fence, ttl=opts.ttl, interval=opts.heartbeat_interval,
             task_id=task_id, task_name=self.name, store=store, since=got.since,
@@ -301,7 +318,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 return
             lease.released = True
         try:
-            ours = lease.store.release(lease.key, lease.token, reason)
+            ours = lease.store.release(lease.key, lease.token, reason, lease.ttl)
         except redis.RedisError as exc:
             log_release.warning(
                 "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",
@@ -310,6 +327,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             return
         if not ours:
             lease.mark_lost("the lease was gone when the run ended", at_release=True)
+        elif ours.handoff is not None:
+            send_parked(self.app, ours.handoff, lease.key)
         log_release.debug("released key=%r task=%s[%s] (%s)", lease.key, self.name, lease.task_id, reason)
         signals.lease_released.send(sender=self.name, lease=lease, reason=reason)
 
@@ -342,8 +361,35 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 self._sf_resend(args, kwargs, delay, first_seen, attempt + 1, error)
             self._sf_report(key, held, f"gave up after {waited:.1f}s", logging.WARNING)
             raise error
+        if policy == "queue":
+            return self._sf_park(key, held, args, kwargs)
         self._sf_report(key, held, "raised", logging.INFO)
         raise error
+
+    def _sf_park(self, key: str, held: Held, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Park this run in the key's FIFO; it is re-sent with the same task id when its turn comes."""
+        from kombu.utils.json import dumps
+
+        request = self.request
+        opts = self.options
+        handoff = uuid.uuid4().hex
+        headers = dict(request.headers or {})
+        headers[HEADER_HANDOFF] = handoff
+        sig = self.signature_from_request(request, args, kwargs, retries=request.retries, headers=headers)
+        message: str = dumps(dict(sig))  # type: ignore[no-untyped-call]
+        parked = self.store.park(key, request.id, handoff, message, opts.max_queued,
+                                 RESUME_GRACE)
+        if parked is None:
+            return _ACQUIRE_AGAIN
+        if not isinstance(parked, Parked):
+            self._sf_report(key, held, f"queue full ({parked} waiting)", logging.WARNING)
+            raise QueueFull(key, held.holder, held.ttl_left, parked)
+        self._sf_report(key, held, f"queued at position {parked.position}", logging.INFO)
+        if not (request.ignore_result or self.ignore_result):
+            self.backend.store_result(
+                request.id, {"key": key, "holder": held.holder, "position": parked.position}, "QUEUED"
+            )
+        raise Ignore()
 
     def _sf_report(self, key: str, held: Held, what: str, level: int) -> None:
         task_id = self.request.id
@@ -359,6 +405,10 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             self.store.note_duplicate(key, task_id or "", what.split(" ")[0])
         except redis.RedisError as exc:
             log_duplicate.debug("could not note the duplicate on key=%r: %s", key, exc)
+
+    def _sf_header(self, name: str) -> Any:
+        request = self.request
+        return getattr(request, name, None) or (request.headers or {}).get(name)
 
     def _sf_wait_state(self) -> tuple[float, int]:
         request = self.request

@@ -54,7 +54,11 @@ def release_for_ended_child(
         pid = int(record.get("pid", "0") or 0)
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
-        released = store.release(key, record["token"], reason)
+        released = store.release(key, record["token"], reason, task.options.ttl)
+        if released.handoff is not None:
+            from .queueing import send_parked
+
+            send_parked(task.app, released.handoff, key)
     except (redis.RedisError, TypeError, ValueError) as exc:
         log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
         return False
@@ -64,7 +68,7 @@ def release_for_ended_child(
             key, task.name, task_id, pid, reason,
         )
         signals.lease_released.send(sender=task.name, lease=None, reason=reason)
-    return released
+    return released.ours
 
 
 def _on_task_failure(

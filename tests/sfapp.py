@@ -219,3 +219,28 @@ def progress_after_loss(self, name):
 def reporting_skip(self, name, steps=5, pause=0.2):
     """Same key as `reporting`, skip policy: a duplicate of a reporting run."""
     return "ran"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="q:<key>", on_duplicate="queue")
+def queued(self, key, n, seconds=0.02):
+    """Queue policy: records the order in which runs on a key happen."""
+    recorder.rpush(f"started:{key}", time.time())
+    record_run("queue", key, seconds)
+    recorder.rpush(f"order:{key}", n)
+    recorder.rpush(f"retries:{key}", self.request.retries)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="q:<key>", on_duplicate="queue", max_queued=2)
+def queued_bounded(self, key, n, seconds=0.02):
+    record_run("queue", key, seconds)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="q:<key>", on_duplicate="queue")
+def queued_sleeper(self, key, seconds=30.0):
+    """Queue policy holder the tests kill (it stays out of the overlap recorder: a killed run
+    cannot record its own end)."""
+    recorder.set(f"pid:{key}", os.getpid())
+    time.sleep(seconds)
+    return "slept"

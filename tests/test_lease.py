@@ -45,11 +45,11 @@ def test_only_the_owner_token_can_release_or_renew(store: LeaseStore) -> None:
     """Nobody but the holder can release the lease: not even the same task id with another token."""
     token = _token()
     store.acquire("k", token, 10, Holder("task-a"))
-    assert store.release("k", _token()) is False
+    assert store.release("k", _token()).ours is False
     assert store.holder_record("k")["task_id"] == "task-a"
-    assert store.release("k", token) is True
+    assert store.release("k", token).ours is True
     assert store.holder_record("k") == {}
-    assert store.release("k", token) is False  # a late second release cannot free a new holder
+    assert store.release("k", token).ours is False  # a late second release cannot free a new holder
 
 
 def test_expired_holder_cannot_release_the_next_owner(store: LeaseStore) -> None:
@@ -59,7 +59,7 @@ def test_expired_holder_cannot_release_the_next_owner(store: LeaseStore) -> None
     time.sleep(0.1)
     new = _token()
     assert isinstance(store.acquire("k", new, 10, Holder("new")), Acquired)
-    assert store.release("k", old) is False
+    assert store.release("k", old).ours is False
     assert store.holder_record("k")["task_id"] == "new"
 
 
