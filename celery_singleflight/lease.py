@@ -42,14 +42,16 @@ def _str(value: Any) -> str:
 
 
 class Released:
-    """What a release did: ``ours`` (the lease was this run's), and the message of the parked
-    run that was handed the key, which the caller must send. Truthy when ``ours``."""
+    """What a release did: ``ours`` (the lease was this run's), the message of the parked run
+    that was handed the key (the caller must send it), and the messages of the runs that joined
+    this one (the caller must give them its result). Truthy when ``ours``."""
 
-    __slots__ = ("handoff", "ours")
+    __slots__ = ("handoff", "joined", "ours")
 
-    def __init__(self, ours: bool, handoff: str | None = None) -> None:
+    def __init__(self, ours: bool, handoff: str | None = None, joined: tuple[str, ...] = ()) -> None:
         self.ours = ours
         self.handoff = handoff
+        self.joined = joined
 
     def __bool__(self) -> bool:
         return self.ours
@@ -186,6 +188,7 @@ class LeaseStore:
         self._note_duplicate = client.register_script(scripts.NOTE_DUPLICATE)
         self._park = client.register_script(scripts.PARK)
         self._resume = client.register_script(scripts.RESUME)
+        self._join = client.register_script(scripts.JOIN)
 
     def lease_key(self, key: str) -> str:
         return self.layout.redis_key(key, "lease")
@@ -208,8 +211,11 @@ class LeaseStore:
     def _run_keys(self, key: str) -> list[str]:
         return [self.lease_key(key), self.status_key(key), self.history_key(key)]
 
+    def joined_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "joined")
+
     def _queue_keys(self, key: str) -> list[str]:
-        return [self.lease_key(key), self.queue_key(key), self.parked_key(key)]
+        return [self.lease_key(key), self.queue_key(key), self.parked_key(key), self.joined_key(key)]
 
     def acquire(
         self, key: str, token: str, ttl: float, holder: Holder, fence_retention: float = 86400.0,
@@ -257,19 +263,22 @@ class LeaseStore:
         self.client.zadd(self.waiting_index_key(), {key: _due_ms(ttl_left + grace)}, lt=True)
         return Parked(position=code, holder_ttl_left=ttl_left)
 
-    def resume(self, key: str, ttl: float, grace: float) -> str | None:
-        """Check one waiting key: hand it to its first parked run if it is free (returns that
-        run's message, to be sent), and plan the next check (or drop it from the index)."""
+    def resume(self, key: str, ttl: float, grace: float) -> Released | None:
+        """Check one waiting key. If it is free (its holder died without releasing), hand it to
+        the first parked run and take the runs joined to the dead holder (see :class:`Released`);
+        plan the next check, or drop the key from the index when nothing waits."""
         reply = self._resume(keys=self._queue_keys(key), args=[_ms(ttl)])
         code = int(reply[0])
         index = self.waiting_index_key()
         if code == 0:
             self.client.zrem(index, key)
-            if self.client.llen(self.queue_key(key)):  # parked meanwhile: keep it in the index
-                self.client.zadd(index, {key: _due_ms(grace)}, lt=True)
+            if self.client.llen(self.queue_key(key)) or self.client.llen(self.joined_key(key)):
+                self.client.zadd(index, {key: _due_ms(grace)}, lt=True)  # arrived meanwhile
             return None
         self.client.zadd(index, {key: _due_ms(int(reply[1]) / 1000.0 + grace)})
-        return _str(reply[2]) if code == 2 else None
+        if code != 2:
+            return None
+        return Released(False, _str(reply[2]) or None, tuple(_str(m) for m in reply[3:]))
 
     def due_waiting(self, limit: int = 100) -> list[str]:
         """Keys of this namespace whose queue check is due."""
@@ -294,15 +303,35 @@ class LeaseStore:
         reply = self._renew_many(keys=keys, args=args)
         return [int(x) == 1 for x in reply]
 
-    def release(self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0) -> Released:
-        """One round trip: free the key if the lease is ours, record the run's outcome, and hand
-        the key to the first parked run (whose message the caller must then send)."""
+    def release(
+        self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0, answer_joined: bool = True,
+        fence: int | None = None,
+    ) -> Released:
+        """One round trip: free the key if the lease is ours, record the run's outcome, hand the
+        key to the first parked run and take the runs joined to this one (see :class:`Released`).
+
+        ``answer_joined=False`` (a run that is retried) leaves joined runs waiting for the next run.
+        """
         retention = _ms(self.status_retention) if self.status_retention > 0 else 0
         reply = self._release(
-            keys=[*self._run_keys(key), self.queue_key(key), self.parked_key(key)],
-            args=[token, outcome, retention, self.history_length, _ms(ttl)],
+            keys=[*self._run_keys(key), self.queue_key(key), self.parked_key(key), self.joined_key(key)],
+            args=[token, outcome, retention, self.history_length, _ms(ttl), "1" if answer_joined else "0",
+                  "" if fence is None else fence],
         )
-        return Released(int(reply[0]) == 1, _str(reply[1]) if len(reply) > 1 else None)
+        if int(reply[0]) != 1:
+            return Released(False)
+        handoff = _str(reply[1]) or None
+        return Released(True, handoff, tuple(_str(m) for m in reply[2:]))
+
+    def join(self, key: str, message: str, grace: float) -> tuple[int, str] | None:
+        """Join the holder's run (it will answer with its result): (joined count, holder id),
+        or None if the key is free now (acquire again)."""
+        reply = self._join(keys=[self.lease_key(key), self.joined_key(key)], args=[message])
+        if int(reply[0]) == -1:
+            return None
+        ttl_left = max(0, int(self.client.pttl(self.lease_key(key)))) / 1000.0
+        self.client.zadd(self.waiting_index_key(), {key: _due_ms(ttl_left + grace)}, lt=True)
+        return int(reply[0]), _str(reply[1])
 
     def force_release(self, key: str, by: str, expected_holder: str = "") -> tuple[str, int] | None:
         """Free ``key`` whoever holds it (an operator's decision); None if it was not held.

@@ -123,6 +123,9 @@ class ProgressReporter:
         self._write = write
         self._schedule = schedule
         self._lock = threading.Lock()
+        # held around each write, so the end-of-run flush waits for one in flight on the
+        # heartbeat thread instead of letting the release overtake it
+        self._write_lock = threading.Lock()
         self._pending: ProgressUpdate | None = None
         self._last = -math.inf
         self.writes = 0
@@ -134,26 +137,28 @@ class ProgressReporter:
 
     def submit(self, update: ProgressUpdate) -> bool:
         """Write now if the rate allows, else keep it pending; True if written now."""
-        with self._lock:
-            now = mod_time.monotonic()
-            if now - self._last < self.interval:
-                first = self._pending is None
-                self._pending = update
-                if first:
-                    self._schedule(self._last + self.interval)
-                return False
-            self._pending = None
-            self._last = now
-        self._write(update)
-        self.writes += 1
-        return True
+        with self._write_lock:
+            with self._lock:
+                now = mod_time.monotonic()
+                if now - self._last < self.interval:
+                    first = self._pending is None
+                    self._pending = update
+                    if first:
+                        self._schedule(self._last + self.interval)
+                    return False
+                self._pending = None
+                self._last = now
+            self._write(update)
+            self.writes += 1
+            return True
 
     def flush(self) -> None:
         """Write the pending update, if any (the heartbeat thread and the end of the run call it)."""
-        with self._lock:
-            update, self._pending = self._pending, None
-            if update is None:
-                return
-            self._last = mod_time.monotonic()
-        self._write(update)
-        self.writes += 1
+        with self._write_lock:
+            with self._lock:
+                update, self._pending = self._pending, None
+                if update is None:
+                    return
+                self._last = mod_time.monotonic()
+            self._write(update)
+            self.writes += 1

@@ -69,12 +69,20 @@ class QueueSweeper:
         sent = 0
         for store, ttl in self.stores:
             for key in store.due_waiting():
-                message = store.resume(key, ttl, RESUME_GRACE)
-                if message is not None:
+                found = store.resume(key, ttl, RESUME_GRACE)
+                if found is None:
+                    continue
+                if found.handoff is not None:
                     log.warning("key=%r was free with runs parked (its holder ended without handing"
                                 " it on); sending the next one", key)
-                    send_parked(self.app, message, key)
+                    send_parked(self.app, found.handoff, key)
                     sent += 1
+                if found.joined:
+                    from .errors import LeaseLost
+                    from .joining import answer_joined
+
+                    answer_joined(self.app, found.joined, key, "<gone>", error=LeaseLost(
+                        key, "the run it joined ended without a result (its worker was lost)"))
         return sent
 
     def _run(self) -> None:
@@ -97,7 +105,7 @@ def _queue_stores(app: Any) -> list[tuple[LeaseStore, float]]:
     for task in list(app.tasks.values()):
         if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None:
             opts = task.options
-            if opts.on_duplicate == "queue":
+            if opts.on_duplicate in ("queue", "join"):
                 store = _options_store(opts)
                 key = (id(store.client), opts.namespace)
                 found[key] = (store, max(opts.ttl, found.get(key, (store, 0.0))[1]))

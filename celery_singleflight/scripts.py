@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ACQUIRE",
     "FORCE_RELEASE",
+    "JOIN",
     "NOTE_DUPLICATE",
     "PARK",
     "PROGRESS",
@@ -117,14 +118,28 @@ redis.call('HSET', KEYS[3], id, ARGV[2])
 return {length, math.max(redis.call('PTTL', KEYS[1]), 0)}
 """
 
+JOIN = """
+-- KEYS[1] - lease hash of the key
+-- KEYS[2] - runs joined to the holder's run
+-- ARGV[1] - the joining run's message (it gets the holder's result)
+-- return {-1} if the key is free (acquire again), else {number joined, holder task id}
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {-1}
+end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return {redis.call('LLEN', KEYS[2]), redis.call('HGET', KEYS[1], 'task_id') or ''}
+"""
+
 RESUME = _HAND_OFF + """
 -- KEYS[1] - lease hash of the key
 -- KEYS[2] - queue of parked runs
 -- KEYS[3] - parked messages
+-- KEYS[4] - runs joined to the holder's run
 -- ARGV[1] - lease TTL for a handoff reservation, milliseconds
 -- return {0} if nothing waits, {1, lease ms left} if the key is held (check again then),
---        {2, reservation ms, message} if the key was free and is now handed to the first parked run
-if redis.call('LLEN', KEYS[2]) == 0 then
+--        {2, reservation ms, message or '', orphaned joined runs...} if the key was free: it is
+--        handed to the first parked run, and runs joined to the dead holder are handed back
+if redis.call('LLEN', KEYS[2]) == 0 and redis.call('LLEN', KEYS[4]) == 0 then
   return {0}
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -132,10 +147,15 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 local now_ms = clock_ms()
 local msg = hand_off(KEYS[1], KEYS[2], KEYS[3], ARGV[1], string.format('%.0f', now_ms))
-if msg then
-  return {2, tonumber(ARGV[1]), msg}
+local out = {2, tonumber(ARGV[1]), msg or ''}
+for _, joined in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+  table.insert(out, joined)
 end
-return {0}
+redis.call('DEL', KEYS[4])
+if out[3] == '' and #out == 3 then
+  return {0}
+end
+return out
 """
 
 RENEW_MANY = """
@@ -190,14 +210,26 @@ RELEASE = _STATUS_FOR_RUN + _HAND_OFF + """
 -- KEYS[3] - history stream of the key
 -- KEYS[4] - queue of parked runs
 -- KEYS[5] - parked messages
+-- KEYS[6] - runs joined to this run (list of their messages)
 -- ARGV[1] - token of the holder
 -- ARGV[2] - outcome of the run (succeeded, failed, retried, revoked, ...)
 -- ARGV[3] - status retention, milliseconds (0: record nothing)
 -- ARGV[4] - history length cap
 -- ARGV[5] - lease TTL for a handoff reservation, milliseconds
--- return {0} if the lease was not ours, {1} if released, {1, message} if released and handed
---        to the first parked run (the caller sends the message)
+-- ARGV[6] - '1' to hand the joined runs to the caller (who gives them this run's result)
+-- ARGV[7] - the run's fence (to record its end even when its lease is already gone)
+-- return {0} if the lease was not ours, else {1, message of the parked run now handed the key
+--        or '', joined run messages...} (the caller sends the message and answers the joined runs)
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+  -- the lease expired or was taken: still record how this run ended on its own status
+  if redis.call('HGET', KEYS[2], 'fence') == ARGV[7] and not redis.call('HGET', KEYS[2], 'ended') then
+    local now = now_ms()
+    redis.call('HSET', KEYS[2], 'state', 'lost', 'outcome', 'lost', 'ended', now, 'updated', now)
+    if redis.call('EXISTS', KEYS[3]) == 1 then
+      redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'end', 'fence', ARGV[7],
+        'state', 'lost', 'ts', now)
+    end
+  end
   return {0}
 end
 local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
@@ -214,11 +246,14 @@ if retention > 0 then
     redis.call('PEXPIRE', KEYS[3], retention)
   end
 end
-local msg = hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now)
-if msg then
-  return {1, msg}
+local out = {1, hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now) or ''}
+if ARGV[6] == '1' then
+  for _, joined in ipairs(redis.call('LRANGE', KEYS[6], 0, -1)) do
+    table.insert(out, joined)
+  end
+  redis.call('DEL', KEYS[6])
 end
-return {1}
+return out
 """
 
 FORCE_RELEASE = _STATUS_FOR_RUN + """

@@ -17,7 +17,7 @@ from .keys import KeyLayout
 
 __all__ = ["DEFAULTS", "POLICIES", "REDIS_ERROR_MODES", "Options", "resolve_options"]
 
-POLICIES = ("raise", "skip", "retry", "queue")
+POLICIES = ("raise", "skip", "retry", "queue", "join")
 REDIS_ERROR_MODES = ("fail_closed", "fail_open")
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 

@@ -34,6 +34,7 @@ from . import outcome, signals
 from .connection import redis_client
 from .errors import LeaseLost, LockHeld, NotInsideRun, QueueFull, RedisUnavailable
 from .heartbeat import heartbeat_for
+from .joining import answer_joined
 from .keys import KeyFunction, KeyLayout, canonical, compile_key
 from .lease import Held, Holder, Lease, LeaseStore, Parked
 from .progress import ProgressReporter, ProgressUpdate, make_update
@@ -142,6 +143,13 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         super().on_bound(app)
         if cls._sf_render is not None:
             cls._sf_options = resolve_options(cls, app.conf)
+            if cls._sf_options.on_duplicate == "join" and cls.ignore_result:
+                from .errors import ConfigurationError
+
+                raise ConfigurationError(
+                    f"task {cls.name}: on_duplicate='join' hands the holder's result to its"
+                    " duplicates, so it needs ignore_result=False"
+                )
 
     # -- caller-facing helpers ------------------------------------------------------------
 
@@ -212,6 +220,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         log_acquire.debug("acquired key=%r task=%s[%s] fence=%s", key, self.name, task_id, lease.fence)
         signals.lease_acquired.send(sender=self.name, lease=lease)
         outcome = "failed"
+        result: Any = None
+        error: BaseException | None = None
         try:
             result = super().__call__(*args, **kwargs)
             outcome = "succeeded"
@@ -228,12 +238,13 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         except BaseException as exc:
             # SystemExit: the pool child was told to stop (revoke with terminate, shutdown)
             outcome = "failed" if isinstance(exc, Exception) else "terminated"
+            error = exc
             raise
         finally:
             setattr(request, _REQUEST_ATTR, None)
             beat.discard(lease)
             self._sf_finish_progress(lease)
-            self._sf_release(lease, "lost" if lease.lost else outcome)
+            self._sf_release(lease, "lost" if lease.lost else outcome, result, error)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release the lease before the retry is published, so it is not its own duplicate."""
@@ -312,13 +323,16 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
 
     # -- release ------------------------------------------------------------------------
 
-    def _sf_release(self, lease: Lease, reason: str) -> None:
+    def _sf_release(
+        self, lease: Lease, reason: str, result: Any = None, error: BaseException | None = None
+    ) -> None:
         with lease._guard:
             if lease.released:
                 return
             lease.released = True
         try:
-            ours = lease.store.release(lease.key, lease.token, reason, lease.ttl)
+            ours = lease.store.release(lease.key, lease.token, reason, lease.ttl,
+                                       answer_joined=reason != "retried", fence=lease.fence)
         except redis.RedisError as exc:
             log_release.warning(
                 "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",
@@ -327,8 +341,12 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             return
         if not ours:
             lease.mark_lost("the lease was gone when the run ended", at_release=True)
-        elif ours.handoff is not None:
+        if ours.handoff is not None:
             send_parked(self.app, ours.handoff, lease.key)
+        if ours.joined:
+            if reason != "succeeded" and error is None:
+                error = LeaseLost(lease.key, f"the run it joined ended as {reason} without a result")
+            answer_joined(self.app, ours.joined, lease.key, lease.task_id, result=result, error=error)
         log_release.debug("released key=%r task=%s[%s] (%s)", lease.key, self.name, lease.task_id, reason)
         signals.lease_released.send(sender=self.name, lease=lease, reason=reason)
 
@@ -363,20 +381,37 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             raise error
         if policy == "queue":
             return self._sf_park(key, held, args, kwargs)
+        if policy == "join":
+            return self._sf_join(key, held, args, kwargs)
         self._sf_report(key, held, "raised", logging.INFO)
         raise error
 
-    def _sf_park(self, key: str, held: Held, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Park this run in the key's FIFO; it is re-sent with the same task id when its turn comes."""
+    def _sf_message(self, args: tuple[Any, ...], kwargs: dict[str, Any], **headers: Any) -> str:
+        """This run's message, re-sendable (same task id, retries unchanged), as JSON."""
         from kombu.utils.json import dumps
 
         request = self.request
+        merged = {**(request.headers or {}), **headers}
+        sig = self.signature_from_request(request, args, kwargs, retries=request.retries, headers=merged)
+        message: str = dumps(dict(sig))  # type: ignore[no-untyped-call]
+        return message
+
+    def _sf_join(self, key: str, held: Held, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Join the holder's run: this run will get its result (or error) as its own."""
+        request = self.request
+        joined = self.store.join(key, self._sf_message(args, kwargs), RESUME_GRACE)
+        if joined is None:
+            return _ACQUIRE_AGAIN
+        self._sf_report(key, held, f"joined ({joined[0]} waiting for its result)", logging.INFO)
+        self.backend.store_result(request.id, {"key": key, "holder": held.holder}, "JOINED")
+        raise Ignore()
+
+    def _sf_park(self, key: str, held: Held, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Park this run in the key's FIFO; it is re-sent with the same task id when its turn comes."""
+        request = self.request
         opts = self.options
         handoff = uuid.uuid4().hex
-        headers = dict(request.headers or {})
-        headers[HEADER_HANDOFF] = handoff
-        sig = self.signature_from_request(request, args, kwargs, retries=request.retries, headers=headers)
-        message: str = dumps(dict(sig))  # type: ignore[no-untyped-call]
+        message = self._sf_message(args, kwargs, **{HEADER_HANDOFF: handoff})
         parked = self.store.park(key, request.id, handoff, message, opts.max_queued,
                                  RESUME_GRACE)
         if parked is None:

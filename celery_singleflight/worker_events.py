@@ -6,6 +6,7 @@ when the worker is set up, before the pool forks, so pool children inherit the a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import signals as celery_signals
@@ -20,9 +21,41 @@ def worker_sends_task_events() -> bool:
     return bool(_task_events)
 
 
+def check_worker_app(app: Any) -> None:
+    """Checks that need the worker's app as a whole; raises ConfigurationError.
+
+    ``join`` needs a result backend. Tasks are shared between apps by default, so this is checked
+    for the app the worker runs, not when a task is bound to any app.
+    """
+    from celery.backends.base import DisabledBackend
+
+    from .errors import ConfigurationError
+    from .task import SingleFlightTask
+
+    joins = sorted(
+        name for name, task in list(app.tasks.items())
+        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None
+        and task.options.on_duplicate == "join"
+    )
+    if joins and isinstance(app.backend, DisabledBackend):
+        raise ConfigurationError(
+            f"on_duplicate='join' hands the holder's result to its duplicates, so tasks {', '.join(joins)}"
+            " need a result backend: set result_backend (for example to your Redis)"
+        )
+
+
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
     global _task_events
     _task_events = bool(getattr(instance, "task_events", False))
+    app = getattr(instance, "app", None)
+    if app is not None:
+        from .errors import ConfigurationError
+
+        try:
+            check_worker_app(app)
+        except ConfigurationError as exc:
+            logging.getLogger("celery_singleflight").critical("%s", exc)
+            raise SystemExit(f"celery_singleflight: {exc}") from exc  # signal receivers' errors are swallowed
 
 
 celery_signals.celeryd_after_setup.connect(_on_worker_setup, weak=False)

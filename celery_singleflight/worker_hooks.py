@@ -29,7 +29,8 @@ log = logging.getLogger("celery_singleflight.release")
 
 
 def release_for_ended_child(
-    task: Any, task_id: str, args: Any, kwargs: Any, reason: str, *, doomed: bool
+    task: Any, task_id: str, args: Any, kwargs: Any, reason: str, *, doomed: bool,
+    error: BaseException | None = None,
 ) -> bool:
     """Free the key of ``task_id`` if a pool child of this host held it and ended.
 
@@ -59,6 +60,12 @@ def release_for_ended_child(
             from .queueing import send_parked
 
             send_parked(task.app, released.handoff, key)
+        if released.joined:
+            from .errors import LeaseLost
+            from .joining import answer_joined
+
+            answer_joined(task.app, released.joined, key, task_id,
+                          error=error or LeaseLost(key, f"the run it joined ended: {reason}"))
     except (redis.RedisError, TypeError, ValueError) as exc:
         log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
         return False
@@ -78,7 +85,7 @@ def _on_task_failure(
     if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         doomed = isinstance(exception, TimeLimitExceeded)
         reason = "time-limit" if doomed else "worker-lost"
-        release_for_ended_child(sender, task_id, args, kwargs, reason, doomed=doomed)
+        release_for_ended_child(sender, task_id, args, kwargs, reason, doomed=doomed, error=exception)
 
 
 def _on_task_revoked(

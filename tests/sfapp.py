@@ -244,3 +244,25 @@ def queued_sleeper(self, key, seconds=30.0):
     recorder.set(f"pid:{key}", os.getpid())
     time.sleep(seconds)
     return "slept"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="j:<key>", on_duplicate="join")
+def joined(self, key, value, seconds=1.0, fail=False):
+    """Join policy: duplicates get this run's result (or its error)."""
+    record_run("join", key, seconds)
+    if fail:
+        raise ValueError(f"holder failed on {key}")
+    return {"value": value, "ran": self.request.id}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="j:<key>", on_duplicate="join")
+def joined_sleeper(self, key, seconds=30.0):
+    recorder.set(f"pid:{key}", os.getpid())
+    time.sleep(seconds)
+    return "slept"
+
+
+@app.task
+def add_one(result):
+    """A plain chain link after a joined run."""
+    return {"after": result}

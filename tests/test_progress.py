@@ -195,3 +195,18 @@ def test_a_long_key_listed_by_held_can_be_read_and_released(sfapp: ModuleType) -
     st = sf.status(sfapp.app, listed[0])
     assert st is not None and st.task_id == "tid-long"
     assert sf.force_release(sfapp.app, listed[0], by="test") == "tid-long"
+
+
+def test_a_lost_run_records_lost_as_its_outcome(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    """Given a run whose lease was deleted behind its back, its status ends as `lost` (not stuck
+    on its last progress state), and a watcher's last event says so."""
+    result = sfapp.progress_after_loss.delay("lostrec")
+    wait_for(lambda: sfapp.recorder.get("started:lostrec"), timeout=15)
+    key = sfapp.progress_after_loss.render_key("lostrec")
+    wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.state == "working", timeout=10)
+    redis_server.client(2).delete(sfapp.progress_after_loss.store.lease_key(key))
+    result.get(timeout=15)
+    st = wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.outcome and s, timeout=10)
+    assert st.outcome == "lost" and st.state == "lost" and not st.held
