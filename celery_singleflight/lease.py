@@ -189,6 +189,8 @@ class LeaseStore:
         self._park = client.register_script(scripts.PARK)
         self._resume = client.register_script(scripts.RESUME)
         self._join = client.register_script(scripts.JOIN)
+        self._enqueue_mark = client.register_script(scripts.ENQUEUE_MARK)
+        self._clear_mark = client.register_script(scripts.CLEAR_MARK)
 
     def lease_key(self, key: str) -> str:
         return self.layout.redis_key(key, "lease")
@@ -213,6 +215,29 @@ class LeaseStore:
 
     def joined_key(self, key: str) -> str:
         return self.layout.redis_key(key, "joined")
+
+    def marker_key(self, key: str) -> str:
+        return self.layout.redis_key(key, "enqueued")
+
+    def done_key(self, key: str) -> str:
+        """The idempotency record of an idempotency key (its own hash tag, not a lock's)."""
+        return self.layout.redis_key(key, "done")
+
+    def mark_enqueued(self, key: str, task_id: str, ttl: float) -> str | None:
+        """One round trip: claim ``key`` for ``task_id`` about to be sent, or return the task id
+        already queued or running for it."""
+        reply = self._enqueue_mark(keys=[self.marker_key(key)], args=[task_id, _ms(ttl)])
+        return _str(reply) if reply else None
+
+    def clear_enqueued(self, key: str, task_id: str) -> bool:
+        return int(self._clear_mark(keys=[self.marker_key(key)], args=[task_id])) == 1
+
+    def remembered(self, idem_key: str) -> str | None:
+        raw = self.client.get(self.done_key(idem_key))
+        return None if raw is None else _str(raw)
+
+    def remember(self, idem_key: str, record: str, ttl: float) -> None:
+        self.client.set(self.done_key(idem_key), record, px=_ms(ttl))
 
     def _queue_keys(self, key: str) -> list[str]:
         return [self.lease_key(key), self.queue_key(key), self.parked_key(key), self.joined_key(key)]
@@ -314,7 +339,8 @@ class LeaseStore:
         """
         retention = _ms(self.status_retention) if self.status_retention > 0 else 0
         reply = self._release(
-            keys=[*self._run_keys(key), self.queue_key(key), self.parked_key(key), self.joined_key(key)],
+            keys=[*self._run_keys(key), self.queue_key(key), self.parked_key(key), self.joined_key(key),
+                  self.marker_key(key)],
             args=[token, outcome, retention, self.history_length, _ms(ttl), "1" if answer_joined else "0",
                   "" if fence is None else fence],
         )

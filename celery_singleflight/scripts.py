@@ -9,6 +9,8 @@ from __future__ import annotations
 
 __all__ = [
     "ACQUIRE",
+    "CLEAR_MARK",
+    "ENQUEUE_MARK",
     "FORCE_RELEASE",
     "JOIN",
     "NOTE_DUPLICATE",
@@ -118,6 +120,29 @@ redis.call('HSET', KEYS[3], id, ARGV[2])
 return {length, math.max(redis.call('PTTL', KEYS[1]), 0)}
 """
 
+ENQUEUE_MARK = """
+-- KEYS[1] - enqueue-time dedup marker of the key
+-- ARGV[1] - the task id about to be sent
+-- ARGV[2] - marker TTL, milliseconds (a safety net if the message is lost)
+-- return the task id already queued or running for the key, or false if ARGV[1] may be sent
+local existing = redis.call('GET', KEYS[1])
+if existing then
+  return existing
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
+"""
+
+CLEAR_MARK = """
+-- KEYS[1] - enqueue-time dedup marker of the key
+-- ARGV[1] - the task id whose marker it must be
+-- return 1 if cleared
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 JOIN = """
 -- KEYS[1] - lease hash of the key
 -- KEYS[2] - runs joined to the holder's run
@@ -211,6 +236,7 @@ RELEASE = _STATUS_FOR_RUN + _HAND_OFF + """
 -- KEYS[4] - queue of parked runs
 -- KEYS[5] - parked messages
 -- KEYS[6] - runs joined to this run (list of their messages)
+-- KEYS[7] - enqueue-time dedup marker (the task id queued for this key)
 -- ARGV[1] - token of the holder
 -- ARGV[2] - outcome of the run (succeeded, failed, retried, revoked, ...)
 -- ARGV[3] - status retention, milliseconds (0: record nothing)
@@ -234,6 +260,9 @@ if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
 end
 local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
 redis.call('DEL', KEYS[1])
+if holder[1] and redis.call('GET', KEYS[7]) == holder[1] then
+  redis.call('DEL', KEYS[7]) -- this run ended: the next enqueue sends a new message
+end
 local retention = tonumber(ARGV[3])
 local now = now_ms()
 if retention > 0 then

@@ -40,6 +40,10 @@ DEFAULTS: dict[str, tuple[str, Any]] = {
     "progress_events": ("progress_events", None),  # None: follow the worker's -E
     "status_include_args": ("status_include_args", False),
     "max_queued": ("max_queued", None),  # None: no limit
+    "idempotency_ttl": ("idempotency_ttl", 3600.0),
+    "dedup_enqueue": ("dedup_enqueue", False),
+    "dedup_ttl": ("dedup_ttl", 3600.0),
+    "on_beat_duplicate": ("on_beat_duplicate", None),  # None: the task's own on_duplicate, else skip
 }
 
 
@@ -64,6 +68,10 @@ class Options:
     progress_events: bool | None
     status_include_args: bool
     max_queued: int | None
+    idempotency_ttl: float
+    dedup_enqueue: bool
+    dedup_ttl: float
+    on_beat_duplicate: str
 
 
 def _conf_get(conf: Any, name: str) -> Any:
@@ -132,6 +140,14 @@ def resolve_options(task: Any, conf: Any) -> Options:
         raise ConfigurationError(
             f"{where('on_duplicate')} is {policy!r}; choose one of {', '.join(POLICIES)}"
         )
+    # beat ticks: per-task on_beat_duplicate > the task's own on_duplicate > the setting > skip
+    beat_policy = getattr(task, "on_beat_duplicate", None) or getattr(task, "on_duplicate", None) or (
+        _conf_get(conf, "on_beat_duplicate") or "skip"
+    )
+    if beat_policy not in POLICIES:
+        raise ConfigurationError(
+            f"{where('on_beat_duplicate')} is {beat_policy!r}; choose one of {', '.join(POLICIES)}"
+        )
     mode = values["on_redis_error"]
     if mode not in REDIS_ERROR_MODES:
         raise ConfigurationError(
@@ -162,6 +178,10 @@ def resolve_options(task: Any, conf: Any) -> Options:
         max_queued=None if values["max_queued"] is None else _count(
             where("max_queued"), values["max_queued"], minimum=0
         ),
+        idempotency_ttl=_seconds(where("idempotency_ttl"), values["idempotency_ttl"]),
+        dedup_enqueue=bool(_flag(where("dedup_enqueue"), values["dedup_enqueue"])),
+        dedup_ttl=_seconds(where("dedup_ttl"), values["dedup_ttl"]),
+        on_beat_duplicate=beat_policy,
     )
 
 

@@ -54,6 +54,7 @@ HEADER_ATTEMPT = "singleflight_attempt"
 #: message header of a parked run re-sent by the ``queue`` policy: its handoff token
 HEADER_HANDOFF = "singleflight_handoff"
 _ACQUIRE_AGAIN = object()  # a duplicate found the key free again: try to take it
+_NOTHING = object()  # no remembered result for an idempotency key
 _ACQUIRE_ATTEMPTS = 5
 _REQUEST_ATTR = "singleflight_lease"
 _MIN_DELAY = 0.05
@@ -114,10 +115,15 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
     redis_retry_delay: ClassVar[float | None] = None
     redis_max_wait: ClassVar[float | None] = None
     lock_namespace: ClassVar[str | None] = None
+    idempotency_key: ClassVar[Any] = None
+    idempotency_ttl: ClassVar[float | None] = None
+    dedup_enqueue: ClassVar[bool | None] = None
+    on_beat_duplicate: ClassVar[str | None] = None
     #: a duplicate refused under ``raise`` is expected: log it at INFO, without a traceback
     throws: ClassVar[tuple[type[BaseException], ...]] = (LockHeld,)
 
     _sf_render: ClassVar[KeyFunction | None] = None
+    _sf_idem_render: ClassVar[KeyFunction | None] = None
     _sf_options: ClassVar[Options | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -135,7 +141,10 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 " (a template such as 'sync:<account_id>' or a callable)"
             )
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
-        cls._sf_render = compile_key(spec, _run_signature(cls), name)
+        signature = _run_signature(cls)
+        cls._sf_render = compile_key(spec, signature, name)
+        idem = cls.__dict__.get("idempotency_key") or cls.idempotency_key
+        cls._sf_idem_render = None if idem is None else compile_key(idem, signature, name)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -191,6 +200,14 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         token = uuid.uuid4().hex
         handoff = str(self._sf_header(HEADER_HANDOFF) or "")
         holder = Holder(task_id, request.hostname or "", self.name)
+        idem = type(self)._sf_idem_render
+        idem_key = None if idem is None else idem(args, kwargs)
+        if idem_key is not None and not handoff:
+            # a parked run must adopt the lease reserved for it (and hand it on), so it checks
+            # only under the lease, below
+            remembered = self._sf_remembered(store, idem_key)
+            if remembered is not _NOTHING:
+                return remembered
         for _ in range(_ACQUIRE_ATTEMPTS):
             try:
                 got = store.acquire(key, token, opts.ttl, holder, opts.fence_retention, handoff)
@@ -223,8 +240,17 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         result: Any = None
         error: BaseException | None = None
         try:
+            if idem_key is not None:
+                # checked again under the lease: a duplicate that waited for this key (queue,
+                # retry) finds the run that finished meanwhile
+                result = self._sf_remembered(store, idem_key)
+                if result is not _NOTHING:
+                    outcome = "succeeded"
+                    return result
             result = super().__call__(*args, **kwargs)
             outcome = "succeeded"
+            if idem_key is not None:
+                self._sf_remember(store, idem_key, result)
             return result
         except Retry:
             outcome = "retried"
@@ -245,6 +271,78 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             beat.discard(lease)
             self._sf_finish_progress(lease)
             self._sf_release(lease, "lost" if lease.lost else outcome, result, error)
+
+    # -- idempotency window and enqueue-time dedup -----------------------------------------
+
+    def _sf_remembered(self, store: LeaseStore, idem_key: str) -> Any:
+        """The remembered result of the run that finished ``idem_key`` within the window."""
+        from kombu.utils.json import loads
+
+        try:
+            raw = store.remembered(idem_key)
+        except redis.RedisError as exc:
+            log_duplicate.warning("could not read idempotency record %r: %s", idem_key, exc)
+            return _NOTHING
+        if raw is None:
+            return _NOTHING
+        record = loads(raw)  # type: ignore[no-untyped-call]
+        log_duplicate.info("%s[%s] is a repeat of %s (idempotency key %r): returning its result",
+                           self.name, self.request.id, record.get("task_id"), idem_key)
+        signals.duplicate.send(sender=self.name, key=idem_key, task_id=self.request.id,
+                               holder=record.get("task_id"), ttl_left=None, policy="idempotency",
+                               outcome="remembered")
+        return record.get("result")
+
+    def _sf_remember(self, store: LeaseStore, idem_key: str, result: Any) -> None:
+        from kombu.utils.json import dumps
+
+        try:
+            record = dumps({"task_id": self.request.id, "result": result})  # type: ignore[no-untyped-call]
+        except (TypeError, ValueError) as exc:
+            log_duplicate.warning("result of %s[%s] is not JSON-serializable; idempotency key %r"
+                                  " not remembered: %s", self.name, self.request.id, idem_key, exc)
+            return
+        try:
+            store.remember(idem_key, record, self.options.idempotency_ttl)
+        except redis.RedisError as exc:
+            log_duplicate.warning("could not remember idempotency key %r: %s", idem_key, exc)
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    *rest: Any, **options: Any) -> Any:
+        """With ``dedup_enqueue=True``: a duplicate send returns the queued or running task's
+        AsyncResult instead of sending a second message (one non-blocking Redis call).
+
+        Sends that carry a ``task_id`` (retries, re-sent parked runs) are never deduplicated.
+        """
+        opts = self.options if type(self)._sf_render is not None else None
+        if (opts is None or not opts.dedup_enqueue or task_id is not None
+                or self.app.conf.task_always_eager):
+            return super().apply_async(args, kwargs, task_id, *rest, **options)
+        key = self.render_key(*(args or ()), **(kwargs or {}))
+        new_id = str(uuid.uuid4())
+        store = self.store
+        try:
+            existing = store.mark_enqueued(key, new_id, opts.dedup_ttl)
+        except redis.RedisError as exc:
+            log_duplicate.warning("enqueue dedup unavailable for key=%r (sending anyway; the lease"
+                                  " still guards the run): %s", key, exc)
+            return super().apply_async(args, kwargs, None, *rest, **options)
+        if existing is not None:
+            log_duplicate.info("%s for key=%r is already queued or running as %s: not sent again",
+                               self.name, key, existing)
+            return self.AsyncResult(existing)
+        try:
+            return super().apply_async(args, kwargs, new_id, *rest, **options)
+        except BaseException:
+            with contextlib.suppress(redis.RedisError):
+                store.clear_enqueued(key, new_id)  # the publish failed: leave no marker behind
+            raise
+
+    def _sf_clear_marker(self, key: str) -> None:
+        """A run turned away at run time ends here: the next enqueue may send a new message."""
+        if self.options.dedup_enqueue and self.request.id:
+            with contextlib.suppress(redis.RedisError):
+                self.store.clear_enqueued(key, self.request.id)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release the lease before the retry is published, so it is not its own duplicate."""
@@ -361,11 +459,14 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             # delivery is still running and will store the result; this one must not run.
             self._sf_report(key, held, "redelivery", logging.WARNING)
             raise Ignore()
-        policy = opts.on_duplicate
+        # celery beat marks its messages (Celery 5.5+): a tick that finds the key held is skipped
+        # unless the task says otherwise (see Options.on_beat_duplicate)
+        policy = opts.on_beat_duplicate if self._sf_header("celery_beat_task") else opts.on_duplicate
         if request.called_directly or request.is_eager:
             policy = "raise"  # no message to re-send and no result to report: refuse loudly
         if policy == "skip":
             self._sf_report(key, held, "skipped", logging.INFO)
+            self._sf_clear_marker(key)
             return outcome.skipped(key, held.holder, held.ttl_left)
         error = LockHeld(key, held.holder, held.ttl_left)
         if policy == "retry":
@@ -378,12 +479,14 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 self._sf_report(key, held, f"retry in {delay:.2f}s", logging.INFO)
                 self._sf_resend(args, kwargs, delay, first_seen, attempt + 1, error)
             self._sf_report(key, held, f"gave up after {waited:.1f}s", logging.WARNING)
+            self._sf_clear_marker(key)
             raise error
         if policy == "queue":
             return self._sf_park(key, held, args, kwargs)
         if policy == "join":
             return self._sf_join(key, held, args, kwargs)
         self._sf_report(key, held, "raised", logging.INFO)
+        self._sf_clear_marker(key)
         raise error
 
     def _sf_message(self, args: tuple[Any, ...], kwargs: dict[str, Any], **headers: Any) -> str:
@@ -403,6 +506,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         if joined is None:
             return _ACQUIRE_AGAIN
         self._sf_report(key, held, f"joined ({joined[0]} waiting for its result)", logging.INFO)
+        self._sf_clear_marker(key)
         self.backend.store_result(request.id, {"key": key, "holder": held.holder}, "JOINED")
         raise Ignore()
 
@@ -418,6 +522,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             return _ACQUIRE_AGAIN
         if not isinstance(parked, Parked):
             self._sf_report(key, held, f"queue full ({parked} waiting)", logging.WARNING)
+            self._sf_clear_marker(key)
             raise QueueFull(key, held.holder, held.ttl_left, parked)
         self._sf_report(key, held, f"queued at position {parked.position}", logging.INFO)
         if not (request.ignore_result or self.ignore_result):

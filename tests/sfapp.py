@@ -266,3 +266,25 @@ def joined_sleeper(self, key, seconds=30.0):
 def add_one(result):
     """A plain chain link after a joined run."""
     return {"after": result}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="conv:<tenant>", on_duplicate="queue",
+          idempotency_key="msg:<tenant>:<message_id>", idempotency_ttl=30)
+def handle_message(self, tenant, message_id, seconds=0.3):
+    """A chat bot's handler: one run per message id; messages of a conversation one at a time."""
+    record_run("idem", f"{tenant}:{message_id}", seconds)
+    return {"reply": f"handled {message_id}", "ran": self.request.id}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="conv:<tenant>", on_duplicate="queue",
+          idempotency_key="short:<tenant>:<message_id>", idempotency_ttl=1)
+def handle_short_window(self, tenant, message_id):
+    record_run("idem-short", f"{tenant}:{message_id}", 0.01)
+    return {"ran": self.request.id}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="acct:<account>", dedup_enqueue=True)
+def deduped(self, account, seconds=0.2):
+    """Enqueue-time dedup: a second delay() while this one is queued or running is not sent."""
+    record_run("dedup", account, seconds)
+    return self.request.id
