@@ -366,14 +366,15 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         attempts = [r.attempts for r in s.rounds]
         extra = (f"; duplicate found the key busy {min(attempts)} to {max(attempts)} times per round "
                  f"(median {statistics.median(attempts):g})" if attempts else "")
-        notes = f"{s.label}: {len(s.rounds)} rounds counted, {s.not_busy} not counted (key not busy)"
+        notes = f"{s.label}: {len(s.rounds)} round(s) counted, {s.not_busy} not counted (key not busy)"
         if s.failed:
             notes += f", {len(s.failed)} failed (first: {s.failed[0]})"
         print(notes + extra)
     if args.recheck_rounds:
-        print(f"The fixed re-check row has only {args.recheck_rounds} rounds: its latency is "
-              f"{RECHECK_SECONDS:g} s minus the holder's remaining run time, so p90/p99 there are "
-              f"interpolated from {args.recheck_rounds} values.")
+        print(f"The fixed re-check row has only {args.recheck_rounds} round(s) on purpose: its latency "
+              f"is {RECHECK_SECONDS:g} s minus the holder's remaining run time, so its p90/p99 are "
+              f"interpolated from those few values. Percentiles everywhere interpolate linearly "
+              f"between closest ranks (p99 of 50 rounds lies between the two largest).")
     if args.trace:
         for s in all_series:
             if s.policy == "queue" and s.rounds:  # retry re-sends are not handoffs

@@ -81,10 +81,12 @@ class Holder:
 
 @dataclass(frozen=True)
 class Acquired:
-    """The lease is ours: its fencing token and when Redis granted it (epoch seconds)."""
+    """The lease is ours: its fencing token, when Redis granted it (epoch seconds), and which of
+    the key's ``max_concurrency`` slots it is (0 for a plain one-at-a-time key)."""
 
     fence: int
     since: float
+    slot: int = 0
     acquired = True
 
 
@@ -131,6 +133,7 @@ class Lease:
     lost_reason: str = ""
     released: bool = False
     confirmed_at: float = field(default_factory=mod_time.monotonic)
+    slot: int = 0
     reporter: ProgressReporter | None = field(default=None, repr=False)
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -192,8 +195,9 @@ class LeaseStore:
         self._enqueue_mark = client.register_script(scripts.ENQUEUE_MARK)
         self._clear_mark = client.register_script(scripts.CLEAR_MARK)
 
-    def lease_key(self, key: str) -> str:
-        return self.layout.redis_key(key, "lease")
+    def lease_key(self, key: str, slot: int = 0) -> str:
+        """The lease of ``key`` (of one of its slots, with ``max_concurrency`` > 1)."""
+        return self.layout.redis_key(key, "lease" if slot == 0 else f"lease{slot}")
 
     def fence_key(self, key: str) -> str:
         return self.layout.redis_key(key, "fence")
@@ -210,8 +214,11 @@ class LeaseStore:
     def parked_key(self, key: str) -> str:
         return self.layout.redis_key(key, "parked")
 
-    def _run_keys(self, key: str) -> list[str]:
-        return [self.lease_key(key), self.status_key(key), self.history_key(key)]
+    def _run_keys(self, key: str, slot: int = 0) -> list[str]:
+        """Lease, status and history of one run; each slot of a key has its own."""
+        suffix = "" if slot == 0 else str(slot)
+        return [self.lease_key(key, slot), self.layout.redis_key(key, f"status{suffix}"),
+                self.layout.redis_key(key, f"history{suffix}")]
 
     def joined_key(self, key: str) -> str:
         return self.layout.redis_key(key, "joined")
@@ -239,12 +246,13 @@ class LeaseStore:
     def remember(self, idem_key: str, record: str, ttl: float) -> None:
         self.client.set(self.done_key(idem_key), record, px=_ms(ttl))
 
-    def _queue_keys(self, key: str) -> list[str]:
-        return [self.lease_key(key), self.queue_key(key), self.parked_key(key), self.joined_key(key)]
+    def _queue_keys(self, key: str, slots: int = 1) -> list[str]:
+        return [*(self.lease_key(key, i) for i in range(slots)), self.queue_key(key), self.parked_key(key),
+                self.joined_key(key)]
 
     def acquire(
         self, key: str, token: str, ttl: float, holder: Holder, fence_retention: float = 86400.0,
-        handoff: str = "",
+        handoff: str = "", slots: int = 1,
     ) -> Acquired | Held:
         """One round trip: take the key, or learn who holds it and for how long.
 
@@ -254,12 +262,13 @@ class LeaseStore:
         """
         entry = f"{holder.task_id}|{handoff}" if handoff else ""
         reply = self._acquire(
-            keys=[self.lease_key(key), self.fence_key(key), self.queue_key(key), self.parked_key(key)],
+            keys=[*(self.lease_key(key, i) for i in range(slots)), self.fence_key(key),
+                  self.queue_key(key), self.parked_key(key)],
             args=[token, _ms(ttl), holder.task_id, holder.host, holder.pid, holder.worker,
-                  _ms(fence_retention), holder.task_name, handoff, entry],
+                  _ms(fence_retention), holder.task_name, handoff, entry, slots],
         )
         if int(reply[0]) == 1:
-            return Acquired(fence=int(reply[1]), since=int(reply[2]) / 1000.0)
+            return Acquired(fence=int(reply[1]), since=int(reply[2]) / 1000.0, slot=int(reply[3]))
         message = _str(reply[3]) if int(reply[0]) == 2 else None
         return Held(holder=_str(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message)
 
@@ -268,7 +277,7 @@ class LeaseStore:
         return f"{self.layout.namespace}:waiting"
 
     def park(self, key: str, task_id: str, handoff: str, message: str, max_queued: int | None,
-             grace: float) -> Parked | int | None:
+             grace: float, slots: int = 1) -> Parked | int | None:
         """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is full,
         or None if the key is free now (acquire again).
 
@@ -276,8 +285,8 @@ class LeaseStore:
         would run out, so that a queue whose holder died is resumed by a worker's sweeper.
         """
         reply = self._park(
-            keys=self._queue_keys(key),
-            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued],
+            keys=self._queue_keys(key, slots)[:-1],
+            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
         )
         code = int(reply[0])
         if code == -1:
@@ -288,11 +297,11 @@ class LeaseStore:
         self.client.zadd(self.waiting_index_key(), {key: _due_ms(ttl_left + grace)}, lt=True)
         return Parked(position=code, holder_ttl_left=ttl_left)
 
-    def resume(self, key: str, ttl: float, grace: float) -> Released | None:
+    def resume(self, key: str, ttl: float, grace: float, slots: int = 1) -> Released | None:
         """Check one waiting key. If it is free (its holder died without releasing), hand it to
         the first parked run and take the runs joined to the dead holder (see :class:`Released`);
         plan the next check, or drop the key from the index when nothing waits."""
-        reply = self._resume(keys=self._queue_keys(key), args=[_ms(ttl)])
+        reply = self._resume(keys=self._queue_keys(key, slots), args=[_ms(ttl), slots])
         code = int(reply[0])
         index = self.waiting_index_key()
         if code == 0:
@@ -322,7 +331,7 @@ class LeaseStore:
         keys: list[str] = []
         args: list[Any] = []
         for lease in leases:
-            keys += lease.store._run_keys(lease.key)
+            keys += lease.store._run_keys(lease.key, lease.slot)
             args += [lease.token, _ms(lease.ttl)]
         args.append(_ms(self.status_retention))
         reply = self._renew_many(keys=keys, args=args)
@@ -330,7 +339,7 @@ class LeaseStore:
 
     def release(
         self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0, answer_joined: bool = True,
-        fence: int | None = None,
+        fence: int | None = None, slot: int = 0,
     ) -> Released:
         """One round trip: free the key if the lease is ours, record the run's outcome, hand the
         key to the first parked run and take the runs joined to this one (see :class:`Released`).
@@ -339,7 +348,7 @@ class LeaseStore:
         """
         retention = _ms(self.status_retention) if self.status_retention > 0 else 0
         reply = self._release(
-            keys=[*self._run_keys(key), self.queue_key(key), self.parked_key(key), self.joined_key(key),
+            keys=[*self._run_keys(key, slot), self.queue_key(key), self.parked_key(key), self.joined_key(key),
                   self.marker_key(key)],
             args=[token, outcome, retention, self.history_length, _ms(ttl), "1" if answer_joined else "0",
                   "" if fence is None else fence],
@@ -387,14 +396,14 @@ class LeaseStore:
         """One round trip: owner-checked status update plus a history entry (wakes watchers)."""
         ttl = _ms(lease.time_left + self.status_retention)
         reply = self._progress(
-            keys=self._run_keys(lease.key),
+            keys=self._run_keys(lease.key, lease.slot),
             args=[lease.token, ttl, self.history_length, update_json, *fields],
         )
         return bool(reply)
 
-    def holder_record(self, key: str) -> dict[str, str]:
-        """The stored holder fields of ``key`` (empty if free)."""
-        raw: dict[Any, Any] = self.client.hgetall(self.lease_key(key))
+    def holder_record(self, key: str, slot: int = 0) -> dict[str, str]:
+        """The stored holder fields of ``key`` (of one slot; empty if free)."""
+        raw: dict[Any, Any] = self.client.hgetall(self.lease_key(key, slot))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
 

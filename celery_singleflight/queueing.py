@@ -49,9 +49,11 @@ def send_parked(app: Any, message: str, key: str) -> None:
 class QueueSweeper:
     """Resumes queues whose holder ended without handing the key on (see the module docstring)."""
 
-    def __init__(self, app: Any, stores: list[tuple[LeaseStore, float]], interval: float = SWEEP_INTERVAL):
+    def __init__(
+        self, app: Any, stores: list[tuple[LeaseStore, float, int]], interval: float = SWEEP_INTERVAL
+    ):
         self.app = app
-        self.stores = stores  # (store, lease TTL for a handoff reservation)
+        self.stores = stores  # (store, lease TTL for a handoff reservation, slots per key)
         self.interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="singleflight-queue-sweeper", daemon=True)
@@ -67,9 +69,9 @@ class QueueSweeper:
     def sweep_once(self) -> int:
         """Check every due key once; return how many parked runs were sent."""
         sent = 0
-        for store, ttl in self.stores:
+        for store, ttl, slots in self.stores:
             for key in store.due_waiting():
-                found = store.resume(key, ttl, RESUME_GRACE)
+                found = store.resume(key, ttl, RESUME_GRACE, slots)
                 if found is None:
                     continue
                 if found.handoff is not None:
@@ -98,17 +100,19 @@ class QueueSweeper:
 _sweepers: list[QueueSweeper] = []
 
 
-def _queue_stores(app: Any) -> list[tuple[LeaseStore, float]]:
+def _queue_stores(app: Any) -> list[tuple[LeaseStore, float, int]]:
     from .task import SingleFlightTask, _options_store
 
-    found: dict[tuple[int, str], tuple[LeaseStore, float]] = {}
+    found: dict[tuple[int, str], tuple[LeaseStore, float, int]] = {}
     for task in list(app.tasks.values()):
         if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None:
             opts = task.options
-            if opts.on_duplicate in ("queue", "join"):
+            if "queue" in (opts.on_duplicate, opts.on_beat_duplicate) or opts.on_duplicate == "join":
                 store = _options_store(opts)
                 key = (id(store.client), opts.namespace)
-                found[key] = (store, max(opts.ttl, found.get(key, (store, 0.0))[1]))
+                _, ttl, slots = found.get(key, (store, 0.0, 1))
+                # a namespace's keys are checked with its largest slot count (extra slots are free)
+                found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, slots))
     return list(found.values())
 
 

@@ -27,23 +27,25 @@ __all__ = [
 # its entry stays in the queue until then, so a crash before the message is sent loses nothing.
 _HAND_OFF = """
 local function hand_off(lease, queue, parked, ttl_ms, now_ms)
-  while true do
-    local head = redis.call('LINDEX', queue, 0)
-    if not head then
-      return false
+  -- the first parked run not already holding a reservation on another slot of the key
+  for _, entry in ipairs(redis.call('LRANGE', queue, 0, 99)) do
+    local sep = string.find(entry, '|', 1, true)
+    local id, token = string.sub(entry, 1, sep - 1), string.sub(entry, sep + 1)
+    local reserved_on = redis.call('HGET', parked, 'r:' .. id)
+    if not (reserved_on and redis.call('HGET', reserved_on, 'token') == token) then
+      local msg = redis.call('HGET', parked, id)
+      if msg then
+        redis.call('DEL', lease)
+        redis.call('HSET', lease, 'token', token, 'task_id', id, 'reserved', '1',
+          'since', now_ms, 'host', '', 'pid', '0', 'worker', '', 'fence', '0', 'task_name', '')
+        redis.call('PEXPIRE', lease, ttl_ms)
+        redis.call('HSET', parked, 'r:' .. id, lease)
+        return msg
+      end
+      redis.call('LREM', queue, 1, entry) -- an entry without its message cannot run
     end
-    local sep = string.find(head, '|', 1, true)
-    local id = string.sub(head, 1, sep - 1)
-    local msg = redis.call('HGET', parked, id)
-    if msg then
-      redis.call('DEL', lease)
-      redis.call('HSET', lease, 'token', string.sub(head, sep + 1), 'task_id', id, 'reserved', '1',
-        'since', now_ms, 'host', '', 'pid', '0', 'worker', '', 'fence', '0', 'task_name', '')
-      redis.call('PEXPIRE', lease, ttl_ms)
-      return msg
-    end
-    redis.call('LPOP', queue) -- an entry without its message cannot run
   end
+  return false
 end
 local function clock_ms()
   local t = redis.call('TIME')
@@ -52,10 +54,10 @@ end
 """
 
 ACQUIRE = _HAND_OFF + """
--- KEYS[1] - lease hash of the key
--- KEYS[2] - fence counter of the key
--- KEYS[3] - queue of parked runs (list of 'task id|handoff token')
--- KEYS[4] - parked messages (hash: task id -> message)
+-- KEYS[1..n] - the key's lease hashes, one per slot (n = max_concurrency, usually 1)
+-- KEYS[n+1] - fence counter of the key (shared by its slots)
+-- KEYS[n+2] - queue of parked runs (list of 'task id|handoff token')
+-- KEYS[n+3] - parked messages (hash: task id -> message)
 -- ARGV[1] - token unique to this execution
 -- ARGV[2] - lease TTL, milliseconds
 -- ARGV[3] - holder task id
@@ -66,58 +68,109 @@ ACQUIRE = _HAND_OFF + """
 -- ARGV[8] - holder task name
 -- ARGV[9] - handoff token this run was sent with ('' if it was never parked)
 -- ARGV[10] - this run's queue entry 'task id|handoff token' ('' if never parked)
--- return {1, fence, since_ms} if acquired, {0, holder task id, lease ms left} if held,
---        {2, holder task id, lease ms left, message} if free but handed to the first parked run
+-- ARGV[11] - n, the number of slots
+-- return {1, fence, since_ms, slot} if acquired (slot counts from 0),
+--        {0, holder task id, lease ms left} if every slot is held (the holder whose lease ends first),
+--        {2, holder task id, lease ms left, message} if a slot was free but handed to the first parked run
+local n = tonumber(ARGV[11])
+local fence_key, queue, parked = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
 local now_ms, now = clock_ms()
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  if ARGV[9] == '' or redis.call('HGET', KEYS[1], 'token') ~= ARGV[9] then
-    return {0, redis.call('HGET', KEYS[1], 'task_id') or '', redis.call('PTTL', KEYS[1])}
+local slot = nil
+if ARGV[9] ~= '' then
+  for i = 1, n do
+    if redis.call('HGET', KEYS[i], 'token') == ARGV[9] then
+      slot = i
+      redis.call('DEL', KEYS[i]) -- adopting the reservation made for this run
+      break
+    end
   end
-  redis.call('DEL', KEYS[1]) -- adopting the reservation made for this run
-elseif ARGV[10] == '' or redis.call('LINDEX', KEYS[3], 0) ~= ARGV[10] then
-  local msg = hand_off(KEYS[1], KEYS[3], KEYS[4], ARGV[2], string.format('%.0f', now_ms))
-  if msg then
-    return {2, redis.call('HGET', KEYS[1], 'task_id'), redis.call('PTTL', KEYS[1]), msg}
+end
+if not slot then
+  local holder, left = '', -1
+  for i = 1, n do
+    if redis.call('EXISTS', KEYS[i]) == 0 then
+      slot = i
+      break
+    end
+    local pttl = redis.call('PTTL', KEYS[i])
+    if left < 0 or pttl < left then
+      holder, left = redis.call('HGET', KEYS[i], 'task_id') or '', pttl
+    end
+  end
+  if not slot then
+    return {0, holder, left}
+  end
+  if ARGV[10] == '' or redis.call('LINDEX', queue, 0) ~= ARGV[10] then
+    local msg = hand_off(KEYS[slot], queue, parked, ARGV[2], string.format('%.0f', now_ms))
+    if msg then
+      return {2, redis.call('HGET', KEYS[slot], 'task_id'), redis.call('PTTL', KEYS[slot]), msg}
+    end
   end
 end
 if ARGV[10] ~= '' then
-  redis.call('LREM', KEYS[3], 1, ARGV[10])
-  redis.call('HDEL', KEYS[4], string.sub(ARGV[10], 1, string.find(ARGV[10], '|', 1, true) - 1))
+  local id = string.sub(ARGV[10], 1, string.find(ARGV[10], '|', 1, true) - 1)
+  redis.call('LREM', queue, 1, ARGV[10])
+  redis.call('HDEL', parked, id, 'r:' .. id)
 end
 -- a missing counter is seeded from the clock (microseconds), so fences keep growing after
 -- Redis lost its data or the counter expired; INCR keeps the TTL set here
-redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'NX', 'PX', ARGV[7])
-local fence = redis.call('INCR', KEYS[2])
+redis.call('SET', fence_key, now[1] .. string.format('%06d', tonumber(now[2])), 'NX', 'PX', ARGV[7])
+local fence = redis.call('INCR', fence_key)
 local since = string.format('%.0f', now_ms)
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
+redis.call('HSET', KEYS[slot], 'token', ARGV[1], 'task_id', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'worker', ARGV[6], 'fence', string.format('%.0f', fence), 'since', since, 'task_name', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, fence, since}
+redis.call('PEXPIRE', KEYS[slot], ARGV[2])
+return {1, fence, since, slot - 1}
 """
 
-PARK = _HAND_OFF + """
--- KEYS[1] - lease hash of the key
--- KEYS[2] - queue of parked runs
--- KEYS[3] - parked messages
+# Shared by PARK and RESUME: the first free slot of a key (KEYS[1..n] are its slot leases).
+_FREE_SLOT = """
+local function free_slot(n)
+  for i = 1, n do
+    if redis.call('EXISTS', KEYS[i]) == 0 then
+      return i
+    end
+  end
+  return nil
+end
+local function soonest_ttl(n)
+  local left = -1
+  for i = 1, n do
+    local pttl = redis.call('PTTL', KEYS[i])
+    if left < 0 or pttl < left then
+      left = pttl
+    end
+  end
+  return math.max(left, 0)
+end
+"""
+
+PARK = _HAND_OFF + _FREE_SLOT + """
+-- KEYS[1..n] - the key's slot leases
+-- KEYS[n+1] - queue of parked runs
+-- KEYS[n+2] - parked messages
 -- ARGV[1] - the entry 'task id|handoff token'
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - the most runs that may wait (-1: no limit)
--- return {-1} if the key is free (acquire again), {-2, length} if the queue is full,
---        {position, holder's lease ms left} once parked
-if redis.call('EXISTS', KEYS[1]) == 0 then
+-- ARGV[4] - n, the number of slots
+-- return {-1} if a slot is free (acquire again), {-2, length} if the queue is full,
+--        {position, ms until the first holder's lease runs out} once parked
+local n = tonumber(ARGV[4])
+local queue, parked = KEYS[n + 1], KEYS[n + 2]
+if free_slot(n) then
   return {-1}
 end
-local length = redis.call('LLEN', KEYS[2])
+local length = redis.call('LLEN', queue)
 if tonumber(ARGV[3]) >= 0 and length >= tonumber(ARGV[3]) then
   return {-2, length}
 end
 local id = string.sub(ARGV[1], 1, string.find(ARGV[1], '|', 1, true) - 1)
-if not redis.call('HGET', KEYS[3], id) then
-  redis.call('RPUSH', KEYS[2], ARGV[1])
+if not redis.call('HGET', parked, id) then
+  redis.call('RPUSH', queue, ARGV[1])
   length = length + 1
 end
-redis.call('HSET', KEYS[3], id, ARGV[2])
-return {length, math.max(redis.call('PTTL', KEYS[1]), 0)}
+redis.call('HSET', parked, id, ARGV[2])
+return {length, soonest_ttl(n)}
 """
 
 ENQUEUE_MARK = """
@@ -155,30 +208,36 @@ redis.call('RPUSH', KEYS[2], ARGV[1])
 return {redis.call('LLEN', KEYS[2]), redis.call('HGET', KEYS[1], 'task_id') or ''}
 """
 
-RESUME = _HAND_OFF + """
--- KEYS[1] - lease hash of the key
--- KEYS[2] - queue of parked runs
--- KEYS[3] - parked messages
--- KEYS[4] - runs joined to the holder's run
+RESUME = _HAND_OFF + _FREE_SLOT + """
+-- KEYS[1..n] - the key's slot leases
+-- KEYS[n+1] - queue of parked runs
+-- KEYS[n+2] - parked messages
+-- KEYS[n+3] - runs joined to the holder's run
 -- ARGV[1] - lease TTL for a handoff reservation, milliseconds
--- return {0} if nothing waits, {1, lease ms left} if the key is held (check again then),
---        {2, reservation ms, message or '', orphaned joined runs...} if the key was free: it is
---        handed to the first parked run, and runs joined to the dead holder are handed back
-if redis.call('LLEN', KEYS[2]) == 0 and redis.call('LLEN', KEYS[4]) == 0 then
+-- ARGV[2] - n, the number of slots
+-- return {0} if nothing waits, {1, ms until a lease runs out} if every slot is held (check again
+--        then), {2, reservation ms, message or '', orphaned joined runs...} if a slot was free: it
+--        is handed to the first parked run, and runs joined to a dead holder are handed back
+local n = tonumber(ARGV[2])
+local queue, parked, joined = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+if redis.call('LLEN', queue) == 0 and redis.call('LLEN', joined) == 0 then
   return {0}
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {1, math.max(redis.call('PTTL', KEYS[1]), 0)}
+local slot = free_slot(n)
+if not slot then
+  return {1, soonest_ttl(n)}
 end
 local now_ms = clock_ms()
-local msg = hand_off(KEYS[1], KEYS[2], KEYS[3], ARGV[1], string.format('%.0f', now_ms))
+local msg = hand_off(KEYS[slot], queue, parked, ARGV[1], string.format('%.0f', now_ms))
 local out = {2, tonumber(ARGV[1]), msg or ''}
-for _, joined in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
-  table.insert(out, joined)
+if slot == 1 then -- joined runs only exist with one slot: their holder is gone
+  for _, entry in ipairs(redis.call('LRANGE', joined, 0, -1)) do
+    table.insert(out, entry)
+  end
+  redis.call('DEL', joined)
 end
-redis.call('DEL', KEYS[4])
 if out[3] == '' and #out == 3 then
-  return {0}
+  return {1, tonumber(ARGV[1])}
 end
 return out
 """

@@ -44,6 +44,7 @@ DEFAULTS: dict[str, tuple[str, Any]] = {
     "dedup_enqueue": ("dedup_enqueue", False),
     "dedup_ttl": ("dedup_ttl", 3600.0),
     "on_beat_duplicate": ("on_beat_duplicate", None),  # None: the task's own on_duplicate, else skip
+    "max_concurrency": ("max_concurrency", 1),
 }
 
 
@@ -72,6 +73,7 @@ class Options:
     dedup_enqueue: bool
     dedup_ttl: float
     on_beat_duplicate: str
+    max_concurrency: int
 
 
 def _conf_get(conf: Any, name: str) -> Any:
@@ -148,6 +150,11 @@ def resolve_options(task: Any, conf: Any) -> Options:
         raise ConfigurationError(
             f"{where('on_beat_duplicate')} is {beat_policy!r}; choose one of {', '.join(POLICIES)}"
         )
+    if "join" in (policy, beat_policy) and values["max_concurrency"] not in (1, None):
+        raise ConfigurationError(
+            f"task {name}: on_duplicate='join' needs max_concurrency=1 (with several runs at once"
+            " there is no single result to join)"
+        )
     mode = values["on_redis_error"]
     if mode not in REDIS_ERROR_MODES:
         raise ConfigurationError(
@@ -182,6 +189,7 @@ def resolve_options(task: Any, conf: Any) -> Options:
         dedup_enqueue=bool(_flag(where("dedup_enqueue"), values["dedup_enqueue"])),
         dedup_ttl=_seconds(where("dedup_ttl"), values["dedup_ttl"]),
         on_beat_duplicate=beat_policy,
+        max_concurrency=_count(where("max_concurrency"), values["max_concurrency"], minimum=1),
     )
 
 

@@ -119,6 +119,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
     idempotency_ttl: ClassVar[float | None] = None
     dedup_enqueue: ClassVar[bool | None] = None
     on_beat_duplicate: ClassVar[str | None] = None
+    max_concurrency: ClassVar[int | None] = None
     #: a duplicate refused under ``raise`` is expected: log it at INFO, without a traceback
     throws: ClassVar[tuple[type[BaseException], ...]] = (LockHeld,)
 
@@ -210,7 +211,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 return remembered
         for _ in range(_ACQUIRE_ATTEMPTS):
             try:
-                got = store.acquire(key, token, opts.ttl, holder, opts.fence_retention, handoff)
+                got = store.acquire(key, token, opts.ttl, holder, opts.fence_retention, handoff,
+                                    opts.max_concurrency)
             except redis.RedisError as exc:
                 return self._sf_redis_unavailable(key, exc, args, kwargs)
             if not isinstance(got, Held):
@@ -229,7 +231,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             raise LockHeld(key, None, None)
         lease = Lease(
             key=key, token=token, fence=got.fence, ttl=opts.ttl, interval=opts.heartbeat_interval,
-            task_id=task_id, task_name=self.name, store=store, since=got.since,
+            task_id=task_id, task_name=self.name, store=store, since=got.since, slot=got.slot,
         )
         beat = heartbeat_for(store)
         beat.add(lease)
@@ -430,7 +432,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             lease.released = True
         try:
             ours = lease.store.release(lease.key, lease.token, reason, lease.ttl,
-                                       answer_joined=reason != "retried", fence=lease.fence)
+                                       answer_joined=reason != "retried", fence=lease.fence,
+                                       slot=lease.slot)
         except redis.RedisError as exc:
             log_release.warning(
                 "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",
@@ -517,7 +520,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         handoff = uuid.uuid4().hex
         message = self._sf_message(args, kwargs, **{HEADER_HANDOFF: handoff})
         parked = self.store.park(key, request.id, handoff, message, opts.max_queued,
-                                 RESUME_GRACE)
+                                 RESUME_GRACE, opts.max_concurrency)
         if parked is None:
             return _ACQUIRE_AGAIN
         if not isinstance(parked, Parked):

@@ -45,9 +45,13 @@ def release_for_ended_child(
     try:
         key = task.render_key(*(args or ()), **(kwargs or {}))
         store = task.store
-        record = store.holder_record(key)
         host = socket.gethostname()
-        if record.get("task_id") != task_id or record.get("host") != host:
+        slot, record = 0, {}
+        for slot in range(task.options.max_concurrency):
+            record = store.holder_record(key, slot)
+            if record.get("task_id") == task_id and record.get("host") == host:
+                break
+        else:
             if reason == "revoked":
                 # the child released on SIGTERM and could only say "terminated"
                 store.revise_outcome(key, task_id, "terminated", "revoked")
@@ -55,7 +59,7 @@ def release_for_ended_child(
         pid = int(record.get("pid", "0") or 0)
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
-        released = store.release(key, record["token"], reason, task.options.ttl)
+        released = store.release(key, record["token"], reason, task.options.ttl, slot=slot)
         if released.handoff is not None:
             from .queueing import send_parked
 

@@ -288,3 +288,32 @@ def deduped(self, account, seconds=0.2):
     """Enqueue-time dedup: a second delay() while this one is queued or running is not sent."""
     record_run("dedup", account, seconds)
     return self.request.id
+
+
+def record_limited(key, limit, seconds):
+    """Independent recorder for a per-key limit: counts runs at once without the library."""
+    task_id = app.current_task.request.id if app.current_task else "?"
+    now = recorder.incr(f"active:{key}")
+    recorder.rpush(f"concurrent:{key}", now)
+    if now > limit:
+        recorder.rpush("overlaps", f"limit:{key}:{task_id}")
+    recorder.rpush(f"runs:{key}", task_id)
+    try:
+        time.sleep(seconds)
+    finally:
+        recorder.decr(f"active:{key}")
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="lim:<key>", max_concurrency=3, on_duplicate="queue")
+def limited(self, key, seconds=0.2):
+    """At most 3 runs per key at once; the rest wait in the queue."""
+    record_limited(key, 3, seconds)
+    return self.lease.slot
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="lim:<key>", max_concurrency=2,
+          on_duplicate="retry", max_wait=60)
+def limited_two(self, key, seconds=0.2):
+    recorder.set(f"pid:{key}:{self.request.id}", os.getpid())
+    record_limited(key, 2, seconds)
+    return self.lease.slot

@@ -1,0 +1,74 @@
+"""max_concurrency=N on real workers: at most N runs per key, and a dead holder's slot returns."""
+
+from __future__ import annotations
+
+import time
+from types import ModuleType
+
+import pytest
+
+from celery_singleflight import ConfigurationError, resolve_options
+from celery_singleflight.testing import WorkerProcess
+
+from .conftest import wait_for
+
+pytestmark = pytest.mark.worker
+
+
+def test_limit_three_with_thirty_tasks(sfapp: ModuleType, start_worker: object) -> None:
+    """Given max_concurrency=3 and 30 tasks for one key on 5 worker processes, never more than 3
+    run at once (independent recorder), 3 do run together, and all 30 run."""
+    q = start_worker(concurrency=5).queue  # type: ignore[operator]
+    results = [sfapp.limited.apply_async(("thirty", 0.3), queue=q) for _ in range(30)]
+    slots = [r.get(timeout=60) for r in results]
+    assert sfapp.recorder.llen("runs:thirty") == 30
+    assert sfapp.recorder.llen("overlaps") == 0
+    concurrent = [int(x) for x in sfapp.recorder.lrange("concurrent:thirty", 0, -1)]
+    assert max(concurrent) == 3
+    assert set(slots) == {0, 1, 2}
+
+
+def test_a_dead_holders_slot_returns_within_one_ttl_while_the_other_stays_busy(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given max_concurrency=2 with a 3 s TTL, one holder on a worker that is SIGKILLed (nobody
+    releases) and one long holder elsewhere that keeps renewing, a waiting run gets the dead
+    holder's slot once its lease expires, without waiting for the busy one."""
+    env = {"SF_TEST_TTL": "3"}
+    doomed: WorkerProcess = start_worker(concurrency=1, env=env)  # type: ignore[operator]
+    busy_q = start_worker(concurrency=2, env=env).queue  # type: ignore[operator]
+    sfapp.limited_two.apply_async(("slot", 60), queue=doomed.queue)  # type: ignore[attr-defined]
+    busy = sfapp.limited_two.apply_async(("slot", 20), queue=busy_q)
+    wait_for(lambda: sfapp.recorder.llen("runs:slot") == 2, timeout=20)
+    doomed.kill()
+    killed_at = time.monotonic()
+    waiting = sfapp.limited_two.apply_async(("slot", 0.1), queue=busy_q)
+    waiting.get(timeout=30)
+    took = time.monotonic() - killed_at
+    assert took < 3 + 3, took  # the lease TTL plus the retry policy's backoff
+    assert not busy.ready()  # the other slot was still busy all along
+    busy.revoke(terminate=True)
+
+
+def test_bad_limits_are_refused() -> None:
+    class Task:
+        name = "t"
+        max_concurrency = 0
+
+    with pytest.raises(ConfigurationError, match="max_concurrency"):
+        resolve_options(Task, {"broker_url": "redis://h/0"})
+
+    class Joins:
+        name = "t"
+        max_concurrency = 2
+        on_duplicate = "join"
+
+    with pytest.raises(ConfigurationError, match="needs max_concurrency=1"):
+        resolve_options(Joins, {"broker_url": "redis://h/0"})
+
+    class Queued:
+        name = "t"
+        max_queued = -1
+
+    with pytest.raises(ConfigurationError, match="max_queued"):
+        resolve_options(Queued, {"broker_url": "redis://h/0"})
