@@ -217,9 +217,14 @@ class WorkerProcess:
     def __enter__(self) -> WorkerProcess:
         return self.start()
 
+    def cleanup(self) -> None:
+        """Delete the worker's log file (read it with :meth:`log` first if you need it)."""
+        self.log_path.unlink(missing_ok=True)
+
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.kill()
+        self.cleanup()
 
 
 try:

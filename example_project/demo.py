@@ -90,6 +90,7 @@ def main() -> int:
     finally:
         worker.stop(timeout=20)
         worker.kill()
+        worker.cleanup()
         if server is not None:
             server.close()
         else:

@@ -83,6 +83,7 @@ def start_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Calla
     for worker in started:
         worker.stop(timeout=15)
         worker.kill()
+        worker.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,7 @@ def shared_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Work
     yield worker
     worker.stop(timeout=15)
     worker.kill()
+    worker.cleanup()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
