@@ -72,3 +72,20 @@ def test_bad_limits_are_refused() -> None:
 
     with pytest.raises(ConfigurationError, match="max_queued"):
         resolve_options(Queued, {"broker_url": "redis://h/0"})
+
+
+def test_an_idempotency_template_naming_a_missing_parameter_fails_at_definition() -> None:
+    from celery import Celery
+
+    from celery_singleflight import KeyTemplateError, SingleFlightTask
+
+    app = Celery("idem", broker="redis://127.0.0.1:1/0", set_as_current=False)
+
+    @app.task(bind=True, base=SingleFlightTask, lock_key="c:<tenant>",
+              idempotency_key="msg:<tenant>:<message_idd>", shared=False)
+    def handle(self: object, tenant: str, message_id: str) -> None:
+        return None
+
+    with pytest.raises(KeyTemplateError, match="message_idd"):
+        app.finalize()
+        handle.name  # noqa: B018 - evaluating the task creates its class
