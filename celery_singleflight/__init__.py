@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import queueing, signals, worker_events, worker_hooks  # noqa: F401  (worker receivers, tasks)
+from . import queueing, signals, worker_hooks, worker_setup  # noqa: F401  (worker receivers, tasks)
 
 # errors
 from .errors import (

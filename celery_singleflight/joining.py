@@ -20,7 +20,7 @@ from celery import states
 from celery.app.task import Context
 from celery.canvas import Signature
 
-from .worker_events import worker_sends_task_events
+from .worker_setup import worker_sends_task_events
 
 __all__ = ["answer_joined"]
 

@@ -40,7 +40,7 @@ from .lease import Held, Holder, Lease, LeaseStore, Parked
 from .progress import ProgressReporter, ProgressUpdate, make_update
 from .queueing import RESUME_GRACE, send_parked
 from .settings import Options, resolve_options
-from .worker_events import worker_sends_task_events
+from .worker_setup import worker_sends_task_events
 
 __all__ = ["SingleFlightTask", "store_for"]
 

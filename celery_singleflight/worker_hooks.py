@@ -21,7 +21,7 @@ from celery.exceptions import TimeLimitExceeded
 
 from . import signals
 from .lease import process_alive
-from .worker_events import worker_sends_task_events
+from .worker_setup import worker_sends_task_events
 
 __all__ = ["release_for_ended_child"]
 

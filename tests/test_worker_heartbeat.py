@@ -88,3 +88,27 @@ def test_bad_setting_stops_the_worker_at_start(sfapp: ModuleType, redis_server: 
 def test_unbound_task_uses_its_function_signature(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     assert sfapp.plain.render_key(3) == sfapp.plain.render_key(x=3, y=1) == "plain:3"
     assert sfapp.plain.delay(3).get(timeout=15) == [3, 1]
+
+
+def test_worker_start_warns_when_the_lease_redis_may_evict_leases(sfapp: ModuleType) -> None:
+    """Given a private lease Redis with maxmemory and an allkeys-lru policy, the worker-start check
+    warns; with noeviction it does not."""
+    from celery_singleflight.worker_setup import warn_if_leases_evictable
+
+    server = RedisServer(extra=["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]).start()
+    original = sfapp.app.conf.singleflight_redis_url
+    try:
+        for task in sfapp.app.tasks.values():
+            if hasattr(type(task), "_sf_options"):
+                type(task)._sf_options = None
+        sfapp.app.conf.singleflight_redis_url = f"{server.url}/2"
+        warnings = warn_if_leases_evictable(sfapp.app)
+        assert len(warnings) == 1 and "allkeys-lru" in warnings[0] and "noeviction" in warnings[0]
+        server.client().config_set("maxmemory-policy", "noeviction")
+        assert warn_if_leases_evictable(sfapp.app) == []
+    finally:
+        sfapp.app.conf.singleflight_redis_url = original
+        for task in sfapp.app.tasks.values():
+            if hasattr(type(task), "_sf_options"):
+                type(task)._sf_options = None
+        server.close()
