@@ -54,6 +54,9 @@ def _answer(
         "group_index": options.get("group_index"), "args": data.get("args"), "kwargs": data.get("kwargs"),
         "reply_to": options.get("reply_to"), "root_id": options.get("root_id"),
         "parent_id": options.get("parent_id"),
+        # as the tracer would: on an error Celery fails the rest of the chain and calls the
+        # errbacks (in whichever signature style they are written)
+        "chain": options.get("chain"), "errbacks": options.get("link_error"), "delivery_info": {},
     })
     if error is None:
         backend.mark_as_done(task_id, result, request=request)
@@ -66,12 +69,10 @@ def _answer(
             nxt = Signature.from_dict(chain[-1], app=app)
             nxt.apply_async((result,), chain=chain[:-1])
     else:
-        backend.mark_as_failure(task_id, error, request=request)
+        backend.mark_as_failure(task_id, error, request=request, call_errbacks=True)
         log.info("joined run %s[%s] on key=%r answered with the error of %s: %r",
                  name, task_id, key, holder_id, error)
         _event(app, "task-failed", task_id, exception=repr(error), traceback="")
-        for errback in options.get("link_error") or ():
-            Signature.from_dict(errback, app=app).apply_async((task_id,))
 
 
 def _event(app: Any, type_: str, task_id: str, **fields: Any) -> None:

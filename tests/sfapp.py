@@ -317,3 +317,40 @@ def limited_two(self, key, seconds=0.2):
     recorder.set(f"pid:{key}:{self.request.id}", os.getpid())
     record_limited(key, 2, seconds)
     return self.lease.slot
+
+
+# -- canvas (tests/test_canvas.py): plain links, chord bodies and errbacks that record what they got --
+
+
+@app.task
+def canvas_seen(value, tag="seen"):
+    """A plain chain link: records the value it received (as JSON) under ``seen:<tag>``."""
+    import json
+
+    recorder.rpush(f"seen:{tag}", json.dumps(value))
+    recorder.rpush("runs", f"seen:{tag}")
+    return {"seen": value}
+
+
+@app.task
+def canvas_collect(results, tag="collect"):
+    """A plain chord body: records the header's results (as JSON) under ``collected:<tag>``."""
+    import json
+
+    recorder.rpush(f"collected:{tag}", json.dumps(results))
+    recorder.rpush("runs", f"collect:{tag}")
+    return results
+
+
+@app.task
+def canvas_errback(request, exc, traceback):
+    """A new-style errback (``link_error``): records which task failed and with what."""
+    import json
+
+    recorder.rpush("canvas:errors", json.dumps({"id": request.id, "error": type(exc).__name__}))
+
+
+@app.task
+def canvas_errback_old(task_id):
+    """An old-style errback (one argument: the failed task's id)."""
+    recorder.rpush("canvas:errors_old", task_id)
