@@ -64,7 +64,7 @@ ACQUIRE = _HAND_OFF + """
 -- ARGV[4] - holder host
 -- ARGV[5] - holder pid
 -- ARGV[6] - holder worker node name
--- ARGV[7] - fence counter TTL, milliseconds (set when the counter is seeded)
+-- ARGV[7] - fence counter TTL, milliseconds (refreshed on every acquire)
 -- ARGV[8] - holder task name
 -- ARGV[9] - handoff token this run was sent with ('' if it was never parked)
 -- ARGV[10] - this run's queue entry 'task id|handoff token' ('' if never parked)
@@ -113,9 +113,10 @@ if ARGV[10] ~= '' then
   redis.call('HDEL', parked, id, 'r:' .. id)
 end
 -- a missing counter is seeded from the clock (microseconds), so fences keep growing after
--- Redis lost its data or the counter expired; INCR keeps the TTL set here
-redis.call('SET', fence_key, now[1] .. string.format('%06d', tonumber(now[2])), 'NX', 'PX', ARGV[7])
+-- Redis lost its data or the counter expired unused; its TTL is refreshed on every acquire
+redis.call('SET', fence_key, now[1] .. string.format('%06d', tonumber(now[2])), 'NX')
 local fence = redis.call('INCR', fence_key)
+redis.call('PEXPIRE', fence_key, ARGV[7])
 local since = string.format('%.0f', now_ms)
 redis.call('HSET', KEYS[slot], 'token', ARGV[1], 'task_id', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'worker', ARGV[6], 'fence', string.format('%.0f', fence), 'since', since, 'task_name', ARGV[8])
