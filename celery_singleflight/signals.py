@@ -1,6 +1,8 @@
 """Celery signals sent by celery_singleflight. Connect like any Celery signal.
 
 Senders are task names (strings), so receivers can filter with ``sender="proj.tasks.sync"``.
+``duplicate``'s ``outcome`` is a stable code (skipped, raised, retry, queued, queue-full, joined,
+redelivery, remembered); its ``detail`` is a sentence for people.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ lease_released = Signal(name="singleflight_lease_released", providing_args={"lea
 lease_lost = Signal(name="singleflight_lease_lost", providing_args={"lease", "reason"})
 duplicate = Signal(
     name="singleflight_duplicate",
-    providing_args={"key", "task_id", "holder", "ttl_left", "policy", "outcome"},
+    providing_args={"key", "task_id", "holder", "ttl_left", "policy", "outcome", "detail"},
 )
 unguarded_run = Signal(name="singleflight_unguarded_run", providing_args={"key", "task_id", "error"})
 lease_force_released = Signal(

@@ -460,7 +460,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         if held.holder and held.holder == task_id and not request.called_directly:
             # the broker delivered a running task again (visibility timeout): the first
             # delivery is still running and will store the result; this one must not run.
-            self._sf_report(key, held, "redelivery", logging.WARNING)
+            self._sf_report(key, held, "redelivery", "redelivery of a running task, not run again",
+                            logging.WARNING)
             raise Ignore()
         # celery beat marks its messages (Celery 5.5+): a tick that finds the key held is skipped
         # unless the task says otherwise (see Options.on_beat_duplicate)
@@ -468,7 +469,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         if request.called_directly or request.is_eager:
             policy = "raise"  # no message to re-send and no result to report: refuse loudly
         if policy == "skip":
-            self._sf_report(key, held, "skipped", logging.INFO)
+            self._sf_report(key, held, "skipped", "skipped", logging.INFO)
             self._sf_clear_marker(key)
             return outcome.skipped(key, held.holder, held.ttl_left)
         error = LockHeld(key, held.holder, held.ttl_left)
@@ -479,16 +480,16 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             if left > 0:
                 cap = min(_BASE_DELAY * 2**attempt, max(held.ttl_left, _MIN_DELAY), left)
                 delay = max(_MIN_DELAY, random.uniform(cap / 2, cap))
-                self._sf_report(key, held, f"retry in {delay:.2f}s", logging.INFO)
+                self._sf_report(key, held, "retry", f"retry in {delay:.2f}s", logging.INFO)
                 self._sf_resend(args, kwargs, delay, first_seen, attempt + 1, error)
-            self._sf_report(key, held, f"gave up after {waited:.1f}s", logging.WARNING)
+            self._sf_report(key, held, "raised", f"gave up after {waited:.1f}s", logging.WARNING)
             self._sf_clear_marker(key)
             raise error
         if policy == "queue":
             return self._sf_park(key, held, args, kwargs)
         if policy == "join":
             return self._sf_join(key, held, args, kwargs)
-        self._sf_report(key, held, "raised", logging.INFO)
+        self._sf_report(key, held, "raised", "raised", logging.INFO)
         self._sf_clear_marker(key)
         raise error
 
@@ -508,7 +509,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         joined = self.store.join(key, self._sf_message(args, kwargs), RESUME_GRACE)
         if joined is None:
             return _ACQUIRE_AGAIN
-        self._sf_report(key, held, f"joined ({joined[0]} waiting for its result)", logging.INFO)
+        self._sf_report(key, held, "joined", f"joined ({joined[0]} waiting for its result)", logging.INFO)
         self._sf_clear_marker(key)
         self.backend.store_result(request.id, {"key": key, "holder": held.holder}, "JOINED")
         raise Ignore()
@@ -524,28 +525,30 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         if parked is None:
             return _ACQUIRE_AGAIN
         if not isinstance(parked, Parked):
-            self._sf_report(key, held, f"queue full ({parked} waiting)", logging.WARNING)
+            self._sf_report(key, held, "queue-full", f"queue full ({parked} waiting)", logging.WARNING)
             self._sf_clear_marker(key)
             raise QueueFull(key, held.holder, held.ttl_left, parked)
-        self._sf_report(key, held, f"queued at position {parked.position}", logging.INFO)
+        self._sf_report(key, held, "queued", f"queued at position {parked.position}", logging.INFO)
         if not (request.ignore_result or self.ignore_result):
             self.backend.store_result(
                 request.id, {"key": key, "holder": held.holder, "position": parked.position}, "QUEUED"
             )
         raise Ignore()
 
-    def _sf_report(self, key: str, held: Held, what: str, level: int) -> None:
+    def _sf_report(self, key: str, held: Held, outcome: str, detail: str, level: int) -> None:
+        """Log, signal and count a duplicate. ``outcome`` is a stable code (skipped, raised,
+        retry, queued, queue-full, joined, redelivery); ``detail`` is for people."""
         task_id = self.request.id
         log_duplicate.log(
             level, "duplicate %s[%s] key=%r held by %s (%.1fs left): %s",
-            self.name, task_id, key, held.holder, held.ttl_left, what,
+            self.name, task_id, key, held.holder, held.ttl_left, detail,
         )
         signals.duplicate.send(
-            sender=self.name, key=key, task_id=task_id, holder=held.holder,
-            ttl_left=held.ttl_left, policy=self.options.on_duplicate, outcome=what,
+            sender=self.name, key=key, task_id=task_id, holder=held.holder, ttl_left=held.ttl_left,
+            policy=self.options.on_duplicate, outcome=outcome, detail=detail,
         )
         try:
-            self.store.note_duplicate(key, task_id or "", what.split(" ")[0])
+            self.store.note_duplicate(key, task_id or "", outcome)
         except redis.RedisError as exc:
             log_duplicate.debug("could not note the duplicate on key=%r: %s", key, exc)
 
