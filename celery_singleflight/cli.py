@@ -40,6 +40,7 @@ import contextlib
 import datetime as dt
 import getpass
 import json
+import logging
 import os
 import re
 import socket
@@ -310,6 +311,9 @@ def singleflight(ctx: click.Context, /, **kwargs: Any) -> None:
     it for the shell: 'job:"a"'). Exit codes: 0 ok, 1 not held / aborted, 2 configuration,
     3 Redis unreachable, 4 watched run did not succeed, 5 watch timed out.
     """
+    if not logging.getLogger().handlers:
+        # an operator's action (force-release) is logged with when and at which level
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 @singleflight.command(cls=CeleryCommand)

@@ -13,7 +13,14 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-__all__ = ["redis_client"]
+__all__ = ["UNREACHABLE", "redis_client"]
+
+#: the Redis errors that mean "not reachable now" (fail_closed / fail_open apply). Any other
+#: RedisError (NOPERM from an ACL, WRONGTYPE, a script error) is a configuration or programming
+#: problem and fails loudly instead of being retried as an outage or run unguarded.
+UNREACHABLE: tuple[type[Exception], ...] = (
+    redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
+)
 
 _clients: dict[tuple[int, str], redis.Redis] = {}
 _lock = threading.Lock()

@@ -35,6 +35,7 @@ from typing import Any
 import redis
 
 from . import signals
+from .connection import UNREACHABLE
 from .errors import ConfigurationError, LeaseLost, LockHeld, NotInsideRun, RedisUnavailable
 from .heartbeat import Heartbeat, heartbeat_for
 from .keys import stored_key
@@ -248,7 +249,7 @@ class Hold:
         while True:
             try:
                 got = store.acquire(self.key, token, opts.ttl, who, opts.fence_retention)
-            except redis.RedisError as exc:
+            except UNREACHABLE as exc:
                 raise RedisUnavailable(self.key, str(exc), mod_time.monotonic() - started) from exc
             if isinstance(got, Acquired):
                 return got

@@ -31,7 +31,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import outcome, signals
-from .connection import redis_client
+from .connection import UNREACHABLE, redis_client
 from .errors import LeaseLost, LockHeld, NotInsideRun, QueueFull, RedisUnavailable
 from .heartbeat import heartbeat_for
 from .joining import answer_joined
@@ -213,7 +213,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             try:
                 got = store.acquire(key, token, opts.ttl, holder, opts.fence_retention, handoff,
                                     opts.max_concurrency)
-            except redis.RedisError as exc:
+            except UNREACHABLE as exc:
                 return self._sf_redis_unavailable(key, exc, args, kwargs)
             if not isinstance(got, Held):
                 break
@@ -580,7 +580,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
     # -- Redis trouble ----------------------------------------------------------------------
 
     def _sf_redis_unavailable(
-        self, key: str, exc: redis.RedisError, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, key: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         opts = self.options
         request = self.request
