@@ -313,3 +313,41 @@ def test_bad_option_fails_when_the_app_is_finalized():
 
     with pytest.raises(ConfigurationError, match="lock_ttl"):
         app.finalize()
+
+
+# -- fuzzing: any value of any setting gives Options or one clear ConfigurationError -----------
+
+from hypothesis import given, settings  # noqa: E402 - grouped with the fuzz tests
+from hypothesis import strategies as st  # noqa: E402
+
+from celery_singleflight.settings import DEFAULTS  # noqa: E402
+
+_any_value = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-10**12, max_value=10**12),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.binary(max_size=8),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(setting=st.sampled_from(sorted(DEFAULTS)), value=_any_value, per_task=st.booleans())
+def test_any_value_of_any_setting_is_accepted_or_refused_clearly(setting: str, value: object,
+                                                                  per_task: bool) -> None:
+    """Given any value for any setting (per task or in app.conf), resolving either succeeds with
+    valid options or raises ConfigurationError naming the setting: never another exception."""
+    from celery_singleflight import ConfigurationError, resolve_options
+
+    attr = DEFAULTS[setting][0]
+    task = type("T", (), {"name": "t"})
+    conf: dict[str, object] = {"broker_url": "redis://h/0"}
+    if per_task and attr:
+        setattr(task, attr, value)
+    else:
+        conf[f"singleflight_{setting}"] = value
+    try:
+        opts = resolve_options(task, conf)
+    except ConfigurationError as exc:
+        assert setting in str(exc) or (attr and attr in str(exc)) or "Redis" in str(exc), str(exc)
+        return
+    assert opts.ttl > 0 and 0 < opts.heartbeat_interval < opts.ttl
+    assert opts.max_concurrency >= 1 and (opts.max_queued is None or opts.max_queued >= 0)
