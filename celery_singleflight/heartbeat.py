@@ -122,7 +122,7 @@ class Heartbeat:
         except redis.RedisError as exc:
             log.warning("could not renew %d lease(s), retrying: %s", len(leases), exc)
             for lease in leases:
-                if mod_time.monotonic() >= lease.confirmed_at + lease.ttl:
+                if mod_time.monotonic() >= lease.deadline:
                     lease.mark_lost(f"Redis unreachable until the lease expired ({exc})")
             return min(_ERROR_RETRY, self._tick)
         finally:

@@ -138,6 +138,16 @@ class Lease:
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
+    def deadline(self) -> float:
+        """Monotonic time after which this run must count its lease as lost.
+
+        A margin before the TTL (10 %, at most 1 s) covers clock drift and the time between a
+        check and the write it guards, so a holder learns of its loss before another run can
+        take the key, not at the same instant.
+        """
+        return self.confirmed_at + self.ttl - min(1.0, 0.1 * self.ttl)
+
+    @property
     def time_left(self) -> float:
         """Seconds the lease is known to be good for (0 once lost or released)."""
         if self.lost or self.released:
@@ -145,7 +155,14 @@ class Lease:
         return max(0.0, self.confirmed_at + self.ttl - mod_time.monotonic())
 
     def check(self) -> None:
-        """Raise :class:`LeaseLost` if this run no longer holds its key."""
+        """Raise :class:`LeaseLost` if this run no longer holds its key.
+
+        Besides the heartbeat's verdict (``lost``), the lease's own clock counts: once the TTL
+        has passed since the last renewal Redis confirmed, another run may hold the key, even
+        if the heartbeat thread has not said so yet (a frozen process, a network partition).
+        """
+        if not self.lost and not self.released and mod_time.monotonic() >= self.deadline:
+            self.mark_lost("no renewal was confirmed within the lease TTL; another run may hold the key")
         if self.lost:
             raise LeaseLost(self.key, self.lost_reason)
 

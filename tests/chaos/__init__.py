@@ -1,0 +1,1 @@
+"""Chaos scenarios: kills, pauses, Redis outages and redeliveries against real workers."""
