@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import logging
 import math
 import os
@@ -160,14 +159,7 @@ def _progress_writer(lease: Lease) -> Any:
     """The write of one update; it may run on the heartbeat thread (a throttled update)."""
 
     def write(update: ProgressUpdate) -> None:
-        try:
-            ours = lease.store.progress(lease, json.dumps(update.as_dict()), update.status_fields())
-        except redis.RedisError as exc:
-            log_acquire.warning("could not record progress of key=%r: %s", lease.key, exc)
-            ours = True  # Redis trouble is the heartbeat's to judge, not a lost lease
-        if not ours:
-            lease.mark_lost("progress found the lease gone")
-            raise LeaseLost(lease.key, lease.lost_reason)
+        lease.write_progress(update)
 
     return write
 

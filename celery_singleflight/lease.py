@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -20,7 +21,7 @@ import redis
 from . import scripts, signals
 from .errors import LeaseLost
 from .keys import KeyLayout
-from .progress import ProgressReporter
+from .progress import ProgressReporter, ProgressUpdate
 
 __all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "Parked", "Released", "process_alive"]
 
@@ -165,6 +166,23 @@ class Lease:
             self.mark_lost("no renewal was confirmed within the lease TTL; another run may hold the key")
         if self.lost:
             raise LeaseLost(self.key, self.lost_reason)
+
+    def write_progress(self, update: ProgressUpdate) -> dict[str, Any]:
+        """Record ``update`` on this lease's key (one owner-checked round trip); return the data.
+
+        Raises :class:`LeaseLost` (and marks the lease lost) if the key is no longer this run's.
+        A Redis error is logged, not raised: whether the lease survives is the heartbeat's call.
+        """
+        data = update.as_dict()
+        try:
+            ours = self.store.progress(self, json.dumps(data), update.status_fields())
+        except redis.RedisError as exc:
+            log_renew.warning("could not record progress of key=%r: %s", self.key, exc)
+            return data
+        if not ours:
+            self.mark_lost("progress found the lease gone")
+            raise LeaseLost(self.key, self.lost_reason)
+        return data
 
     def mark_lost(self, reason: str, *, at_release: bool = False) -> None:
         """Record the loss once: flag, warning log and ``lease_lost`` signal.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import random
 import time as mod_time
@@ -397,16 +396,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         app, backend = self.app, self.backend
 
         def write(update: ProgressUpdate) -> None:
-            data = update.as_dict()
-            try:
-                ours = lease.store.progress(lease, json.dumps(data), update.status_fields())
-            except redis.RedisError as exc:
-                log_acquire.warning("could not record progress of key=%r: %s", lease.key, exc)
-                ours = True  # Redis trouble is the heartbeat's to judge, not a lost lease
-            if not ours:
-                lease.mark_lost("progress found the lease gone")
-                raise LeaseLost(lease.key, lease.lost_reason)
-            meta = {**data, "key": lease.key, "fence": lease.fence}
+            meta = {**lease.write_progress(update), "key": lease.key, "fence": lease.fence}
             if store_meta:
                 backend.store_result(task_id, meta, "PROGRESS")
             if send_event:
