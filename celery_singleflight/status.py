@@ -179,6 +179,16 @@ def _event(entry_id: Any, raw: dict[Any, Any]) -> WatchEvent:
     return WatchEvent(kind=kind, state=data.get("state", ""), fence=fence, ts=ts, fields=fields, id=eid)
 
 
+def _run_events(entries: Any, fence: int | None, cursor: list[str]) -> Iterator[WatchEvent]:
+    """The events of the run with ``fence`` among stream ``entries``; ``cursor[0]`` advances past
+    every entry read (other runs' too), so the next XREAD starts after them."""
+    for entry_id, raw in entries:
+        event = _event(entry_id, raw)
+        cursor[0] = event.id
+        if event.fence == fence:
+            yield event
+
+
 class StatusReader:
     """Read, list, watch and force-release the keys of one namespace."""
 
@@ -240,31 +250,25 @@ class StatusReader:
         fence = snapshot.fence
         stream = self.store.history_key(key)
         deadline = None if timeout is None else mod_time.monotonic() + timeout
-        last = "0-0"
+        cursor = ["0-0"]
         history: list[Any] = self.client.xrange(stream, min="-", max="+")  # type: ignore[assignment]
-        for entry_id, raw in history:
-            event = _event(entry_id, raw)
-            last = event.id
-            if event.fence == fence:
-                yield event
-                if event.final:
-                    return
+        for event in _run_events(history, fence, cursor):
+            yield event
+            if event.final:
+                return
         if not snapshot.held:
             yield WatchEvent(kind="end", state=snapshot.outcome or snapshot.state, fence=fence,
                              ts=snapshot.ended)
             return
         while deadline is None or mod_time.monotonic() < deadline:
             block = poll if deadline is None else max(0.001, min(poll, deadline - mod_time.monotonic()))
-            reply: Any = self.client.xread({stream: last}, block=max(1, int(block * 1000)), count=100)
+            reply: Any = self.client.xread({stream: cursor[0]}, block=max(1, int(block * 1000)), count=100)
             streams = reply.items() if isinstance(reply, dict) else (reply or [])  # RESP3 / RESP2
             for _, entries in streams:
-                for entry_id, raw in entries:
-                    event = _event(entry_id, raw)
-                    last = event.id
-                    if event.fence == fence:
-                        yield event
-                        if event.final:
-                            return
+                for event in _run_events(entries, fence, cursor):
+                    yield event
+                    if event.final:
+                        return
             if not reply:
                 now = self.read(key)
                 if now is None or not now.held or now.fence != fence:
