@@ -312,16 +312,22 @@ class LeaseStore:
         return f"{self.layout.namespace}:waiting"
 
     def park(self, key: str, task_id: str, handoff: str, message: str, max_queued: int | None,
-             grace: float, slots: int = 1) -> Parked | int | None:
+             grace: float, slots: int = 1, own: bool = False) -> Parked | int | None:
         """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is full,
         or None if the key is free now (acquire again).
 
         The key is also entered in the namespace's waiting index, due when the holder's lease
         would run out, so that a queue whose holder died is resumed by a worker's sweeper.
+
+        ``own``: the broker delivered the holder's own run again. Its message waits at the front
+        and is dropped when that run releases; it runs only if the run's lease ends without a
+        release (its worker died), because with the Redis broker acknowledging the redelivery
+        also acknowledged the first delivery's message.
         """
         reply = self._park(
             keys=self._queue_keys(key, slots)[:-1],
-            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
+            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots,
+                  "1" if own else "0"],
         )
         code = int(reply[0])
         if code == -1:

@@ -86,6 +86,14 @@ if ARGV[9] ~= '' then
   end
 end
 if not slot then
+  if n > 1 and ARGV[3] ~= '' then
+    -- this task id already runs on one of the slots (a redelivery): it must not take another
+    for i = 1, n do
+      if redis.call('HGET', KEYS[i], 'task_id') == ARGV[3] then
+        return {0, ARGV[3], redis.call('PTTL', KEYS[i])}
+      end
+    end
+  end
   local holder, left = '', -1
   for i = 1, n do
     if redis.call('EXISTS', KEYS[i]) == 0 then
@@ -154,24 +162,34 @@ PARK = _HAND_OFF + _FREE_SLOT + """
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - the most runs that may wait (-1: no limit)
 -- ARGV[4] - n, the number of slots
+-- ARGV[5] - '1' for a turned-away redelivery of the holder's own run: it waits at the front,
+--           beyond any limit, and only runs if that run's lease ends without a release (RELEASE
+--           drops it); an entry already parked under its task id is kept as it is
 -- return {-1} if a slot is free (acquire again), {-2, length} if the queue is full,
 --        {position, ms until the first holder's lease runs out} once parked
 local n = tonumber(ARGV[4])
 local queue, parked = KEYS[n + 1], KEYS[n + 2]
+local own = ARGV[5] == '1'
 if free_slot(n) then
   return {-1}
 end
 local length = redis.call('LLEN', queue)
-if tonumber(ARGV[3]) >= 0 and length >= tonumber(ARGV[3]) then
+if not own and tonumber(ARGV[3]) >= 0 and length >= tonumber(ARGV[3]) then
   return {-2, length}
 end
 local id = string.sub(ARGV[1], 1, string.find(ARGV[1], '|', 1, true) - 1)
 if not redis.call('HGET', parked, id) then
-  redis.call('RPUSH', queue, ARGV[1])
+  if own then
+    redis.call('LPUSH', queue, ARGV[1])
+  else
+    redis.call('RPUSH', queue, ARGV[1])
+  end
   length = length + 1
+elseif own then
+  return {1, soonest_ttl(n)}
 end
 redis.call('HSET', parked, id, ARGV[2])
-return {length, soonest_ttl(n)}
+return {own and 1 or length, soonest_ttl(n)}
 """
 
 ENQUEUE_MARK = """
@@ -320,6 +338,16 @@ if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
 end
 local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
 redis.call('DEL', KEYS[1])
+if holder[1] and redis.call('HGET', KEYS[5], holder[1]) then
+  -- a redelivery of this run parked behind it (PARK, own): the run ended, so it must not run
+  local prefix = holder[1] .. '|'
+  for _, entry in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+    if string.sub(entry, 1, #prefix) == prefix then
+      redis.call('LREM', KEYS[4], 1, entry)
+    end
+  end
+  redis.call('HDEL', KEYS[5], holder[1], 'r:' .. holder[1])
+end
 if holder[1] and redis.call('GET', KEYS[7]) == holder[1] then
   redis.call('DEL', KEYS[7]) -- this run ended: the next enqueue sends a new message
 end

@@ -452,6 +452,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
             # delivery is still running and will store the result; this one must not run.
             self._sf_report(key, held, "redelivery", "redelivery of a running task, not run again",
                             logging.WARNING)
+            self._sf_park_redelivery(key, args, kwargs)
             raise Ignore()
         # celery beat marks its messages (Celery 5.5+): a tick that finds the key held is skipped
         # unless the task says otherwise (see Options.on_beat_duplicate)
@@ -524,6 +525,28 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
                 request.id, {"key": key, "holder": held.holder, "position": parked.position}, "QUEUED"
             )
         raise Ignore()
+
+    def _sf_park_redelivery(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep a copy of a turned-away redelivery until the first delivery releases.
+
+        Acknowledging this delivery (Ignore) can acknowledge the first one too: the Redis broker
+        gives both the same delivery tag. If the first delivery's worker then dies, the copy is
+        all that is left of the task: it is sent when the lease ends without a release (the
+        queue sweeper), and dropped by the release of a run that ended.
+        """
+        handoff = uuid.uuid4().hex
+        message = self._sf_message(args, kwargs, **{HEADER_HANDOFF: handoff})
+        try:
+            parked = self.store.park(key, self.request.id, handoff, message, None, RESUME_GRACE,
+                                     self.options.max_concurrency, own=True)
+        except redis.RedisError as exc:
+            log_duplicate.warning("could not keep a copy of redelivered %s[%s] key=%r (if the first"
+                                  " delivery's worker dies too, the task is not run again): %s",
+                                  self.name, self.request.id, key, exc)
+            return
+        if parked is None:
+            log_duplicate.info("the first delivery of %s[%s] released key=%r meanwhile; this"
+                               " redelivery is not run", self.name, self.request.id, key)
 
     def _sf_report(self, key: str, held: Held, outcome: str, detail: str, level: int) -> None:
         """Log, signal and count a duplicate. ``outcome`` is a stable code (skipped, raised,

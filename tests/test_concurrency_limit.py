@@ -50,6 +50,23 @@ def test_a_dead_holders_slot_returns_within_one_ttl_while_the_other_stays_busy(
     busy.revoke(terminate=True)
 
 
+def test_a_redelivered_task_does_not_take_a_second_slot_of_its_own_key(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given max_concurrency=2 and a running task, when the broker delivers the same task id again
+    (sent here by hand, as in test_policies), then the second delivery does not run on the free
+    slot: one body run, and the first delivery's result stands."""
+    q = start_worker(concurrency=3).queue  # type: ignore[operator]
+    first = sfapp.limited_two.apply_async(("self", 2.0), queue=q)
+    wait_for(lambda: sfapp.recorder.llen("runs:self") == 1, timeout=20)
+    sfapp.limited_two.apply_async(("self", 2.0), queue=q, task_id=first.id)
+    assert first.get(timeout=30) == 0
+    time.sleep(0.5)
+    assert sfapp.recorder.lrange("runs:self", 0, -1) == [first.id.encode()]
+    assert sfapp.recorder.llen("overlaps") == 0
+    assert sfapp.limited_two.store.queued(sfapp.limited_two.render_key("self")) == 0
+
+
 def test_bad_limits_are_refused() -> None:
     class Task:
         name = "t"

@@ -63,7 +63,7 @@ LIBRARY_COMMANDS = (
     # inside the scripts (Redis checks the user's ACL there too); GET and SET also at top level for
     # the idempotency window, LLEN and PTTL for status and the sweeper
     "del", "exists", "get", "hdel", "hget", "hincrby", "hmget", "hset", "incr", "lindex", "llen",
-    "lrange", "lrem", "pexpire", "pttl", "rpush", "set", "time", "xadd",
+    "lpush", "lrange", "lrem", "pexpire", "pttl", "rpush", "set", "time", "xadd",
     # status, listing (SCAN ... TYPE hash) and watching
     "hgetall", "scan", "xrange", "xread",
     # the namespace's index of keys with parked or joined runs (the queue sweeper)
@@ -396,6 +396,13 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     assert store.release(conv, tok9, fence=got9.fence)
     assert store.resume(conv, 5, 0.05) is None  # nothing waits any more: dropped from the index
     assert conv not in store.due_waiting()
+
+    # a turned-away redelivery keeps a copy of itself in the queue; its run's release drops it
+    tok8 = token()
+    assert isinstance(store.acquire(key, tok8, 5, Holder("run-8")), Acquired)
+    assert isinstance(store.park(key, "run-8", "handoff-8", '{"copy": 8}', None, 0.5, own=True), Parked)
+    assert store.queued(key) == 1
+    assert store.release(key, tok8).handoff is None and store.queued(key) == 0
 
     # force-release by an operator
     tok5 = token()

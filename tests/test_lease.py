@@ -63,6 +63,50 @@ def test_expired_holder_cannot_release_the_next_owner(store: LeaseStore) -> None
     assert store.holder_record("k")["task_id"] == "new"
 
 
+def test_a_redelivery_parked_behind_its_own_run_is_dropped_when_that_run_releases(
+    store: LeaseStore,
+) -> None:
+    """Given a run whose redelivery parked a copy of itself (ahead of an ordinary parked run),
+    when the run releases, then the copy is dropped and the key goes to the ordinary one."""
+    token = _token()
+    store.acquire("k", token, 10, Holder("run-a"))
+    assert store.park("k", "run-b", "hb", "message-b", None, 0.5) is not None
+    parked = store.park("k", "run-a", "ha", "copy-of-a", None, 0.5, own=True)
+    assert parked is not None and not isinstance(parked, int) and parked.position == 1
+    # a third delivery keeps the first copy (its handoff token and message stay as they were)
+    store.park("k", "run-a", "ha2", "another-copy", None, 0.5, own=True)
+    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-a|ha", b"run-b|hb"]
+    released = store.release("k", token)
+    assert released.ours and released.handoff == "message-b"
+    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-b|hb"]
+    assert set(store.client.hkeys(store.parked_key("k"))) == {b"run-b", b"r:run-b"}
+
+
+def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: LeaseStore) -> None:
+    """Given a run whose redelivery parked a copy of itself, when the run's lease expires (its
+    worker died), then the sweeper's resume hands the key to the copy, ahead of other parked runs,
+    even with a bounded queue that is full."""
+    store.acquire("k", _token(), 0.2, Holder("run-a"))
+    assert store.park("k", "run-b", "hb", "message-b", 1, 0.5) is not None
+    assert store.park("k", "run-a", "ha", "copy-of-a", 1, 0.5, own=True) is not None
+    time.sleep(0.3)
+    resumed = store.resume("k", 10, 0.5)
+    assert resumed is not None and resumed.handoff == "copy-of-a"
+    assert store.holder_record("k")["task_id"] == "run-a" and store.holder_record("k")["token"] == "ha"
+    adopted = store.acquire("k", _token(), 10, Holder("run-a"), handoff="ha")
+    assert isinstance(adopted, Acquired)
+    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-b|hb"]
+
+
+def test_a_task_id_running_on_one_slot_cannot_take_another(store: LeaseStore) -> None:
+    """With max_concurrency=3, a redelivery of a running task id is told the key is held by
+    itself instead of running concurrently with itself on a free slot."""
+    assert isinstance(store.acquire("k", _token(), 10, Holder("run-a"), slots=3), Acquired)
+    again = store.acquire("k", _token(), 10, Holder("run-a"), slots=3)
+    assert isinstance(again, Held) and again.holder == "run-a"
+    assert isinstance(store.acquire("k", _token(), 10, Holder("run-b"), slots=3), Acquired)
+
+
 def test_fences_strictly_increase_across_acquires_and_expiry(store: LeaseStore) -> None:
     fences = []
     for _ in range(5):

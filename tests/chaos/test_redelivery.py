@@ -54,26 +54,28 @@ def test_broker_redelivers_a_running_task(
     assert out == {"task_id": result.id, "pid": out["pid"]} and result.state == "SUCCESS"
     assert "redelivery" in log
     assert overlaps(chaos) == []
+    # the copy the redelivery kept in case the first delivery's worker died was dropped by its release
+    assert chaos.long_run.store.queued(key) == 0
+    assert not chaos.long_run.store.client.exists(chaos.long_run.store.parked_key(key))
     wait_for(lambda: sf.held(chaos.app) == [], timeout=5)
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason=(
-    "library: the turned-away redelivery is acknowledged (Ignore). With the Redis broker both deliveries"
-    " share one delivery tag, so that ack removes the message from kombu's unacked set while the first"
-    " delivery still runs; when the first delivery's worker then dies, nothing is left to redeliver and"
-    " the task never ends, although task_acks_late promises at-least-once (task.py _sf_duplicate)"
-))
 def test_task_whose_redelivery_was_turned_away_still_survives_its_worker_dying(
     chaos: ModuleType, workers: Workers, queue: str, figures: dict[str, Any], broker_redis: RedisServer
 ) -> None:
     """Given a running task whose redelivery was turned away, when the worker running it is
     SIGKILLed, then (acks_late) the task is delivered again and runs, as in test_worker_kill's
-    acks-late case, where no redelivery came first."""
+    acks-late case, where no redelivery came first.
+
+    With the Redis broker both deliveries share one delivery tag: acknowledging the turned-away
+    one removes the message from kombu's unacked set while the first still runs. What is left is
+    the copy the redelivery parked behind its own run, sent by the survivor's queue sweeper once
+    the dead run's lease ends."""
     env = {"CHAOS_ACKS_LATE": "1", "CHAOS_VISIBILITY": "2", "CHAOS_TTL": "3"}
     first, second = workers.start(workers.make(queue, env=env), workers.make(queue, env=env))
     key = "orphan"
-    result = chaos.long_run.apply_async((key, 30.0), queue=queue)
+    result = chaos.long_run.apply_async((key, 10.0), queue=queue)
     wait_for(lambda: len(deliveries(chaos, result.id)) >= 2, timeout=20)  # turned away
     wait_for(lambda: "redelivery" in first.log() + second.log(), timeout=5)
     pid = int(runs(chaos, key)[0]["pid"])
@@ -96,3 +98,14 @@ def test_task_whose_redelivery_was_turned_away_still_survives_its_worker_dying(
         "checked_for_s_after_kill": round3(time.time() - killed_at),
     })
     assert ran_again, "the task was lost with its worker: no copy of the message was left to deliver"
+    assert result.get(timeout=45)["task_id"] == result.id
+    body = runs(chaos, key)
+    figures.update({
+        "rerun_started_after_kill_s": round3(body[1]["start"] - killed_at),
+        "state_at_end": result.state,
+        "body_runs_at_end": len(body),
+    })
+    assert [r["task_id"] for r in body] == [result.id, result.id]
+    assert overlaps(chaos) == []
+    assert chaos.long_run.store.queued(key) == 0
+    wait_for(lambda: sf.held(chaos.app) == [], timeout=5)
