@@ -4,7 +4,9 @@
   is not written to ``app.conf``, the worker object knows it; pool children inherit the answer.
 - Checks that need the worker's app as a whole (``join`` needs a result backend): a failure stops
   the worker with one clear sentence.
-- A warning when the lease Redis could evict lease keys under memory pressure.
+- The checks against each lease Redis and the broker settings (:mod:`.preflight`): reachable,
+  permitted, a primary, keys not evictable, clock, TTL, visibility timeout. Findings are logged;
+  a refusal (a replica, an ACL that refuses a command every run needs) stops the worker.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 from typing import Any
 
 from celery import signals as celery_signals
+
+from .preflight import run_at_worker_start, warn_if_leases_evictable
 
 __all__ = ["check_worker_app", "warn_if_leases_evictable", "worker_sends_task_events"]
 
@@ -47,43 +51,6 @@ def check_worker_app(app: Any) -> None:
         )
 
 
-def warn_if_leases_evictable(app: Any) -> list[str]:
-    """Warn (and return the warnings) for each lease Redis that may evict keys.
-
-    Leases carry TTLs, so ``volatile-*`` policies evict them too: only ``noeviction`` (or no
-    ``maxmemory``) keeps a held lease from vanishing under memory pressure, which would let a
-    second run take a key that is still held.
-    """
-    from .task import SingleFlightTask, _options_store
-
-    log = logging.getLogger("celery_singleflight")
-    warnings: list[str] = []
-    seen: set[int] = set()
-    for task in list(app.tasks.values()):
-        if not isinstance(task, SingleFlightTask) or type(task)._sf_render is None:
-            continue
-        store = _options_store(task.options)
-        if id(store.client) in seen:
-            continue
-        seen.add(id(store.client))
-        try:
-            conf = store.client.config_get("maxmemory*")
-        except Exception as exc:  # noqa: BLE001 - CONFIG may be refused (ACL, managed Redis): skip
-            log.debug("could not read the lease Redis's maxmemory settings: %s", exc)
-            continue
-        limit = int(conf.get("maxmemory", 0) or 0)
-        policy = str(conf.get("maxmemory-policy", "noeviction"))
-        if limit > 0 and policy != "noeviction":
-            message = (
-                f"the lease Redis has maxmemory={limit} with maxmemory-policy={policy}: under memory"
-                " pressure it may evict lease keys (they carry TTLs), letting a second run take a held"
-                " key; use maxmemory-policy noeviction for the singleflight Redis"
-            )
-            log.warning("%s", message)
-            warnings.append(message)
-    return warnings
-
-
 def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None:
     global _task_events
     _task_events = bool(getattr(instance, "task_events", False))
@@ -93,13 +60,10 @@ def _on_worker_setup(sender: Any = None, instance: Any = None, **_: Any) -> None
 
         try:
             check_worker_app(app)
+            run_at_worker_start(app, instance)  # raises only for a refusal (ConfigurationError)
         except ConfigurationError as exc:
             logging.getLogger("celery_singleflight").critical("%s", exc)
             raise SystemExit(f"celery_singleflight: {exc}") from exc  # signal receivers' errors are swallowed
-        try:
-            warn_if_leases_evictable(app)
-        except Exception as exc:  # noqa: BLE001 - a check must never keep a worker from starting
-            logging.getLogger("celery_singleflight").debug("eviction check failed: %s", exc)
 
 
 celery_signals.celeryd_after_setup.connect(_on_worker_setup, weak=False)
