@@ -1,0 +1,458 @@
+"""End-to-end Celery throughput with a lease per task, next to plain Celery and two other lock libraries.
+
+The budget (PRODUCT.md): end-to-end Celery throughput with a lease per task >= 0.95 x the same
+tasks without it, in paired runs. This benchmark runs the no-op task of
+``benchmarks/throughputapp.py`` in four variants, same body, same shape ``(i, round_id, target)``,
+``ignore_result=True``, Redis broker:
+
+1. plain Celery ``Task`` (the baseline);
+2. ``SingleFlightTask`` with a unique key per task (``lock_key="tp:<round_id>:<i>"``): never
+   contended, so it measures the lease's own cost in the worker (acquire, heartbeat
+   registration, release);
+3. ``celery_once.QueueOnce`` (unique keys, its Redis backend), if installed;
+4. ``celery_singleton.Singleton`` (unique keys, its Redis backend), if installed.
+
+3 and 4 take their lock in ``apply_async``, in the producer (this benchmark process), so in the
+worker they pay only the unlock; the dispatch rate (messages/s published by this process) is
+reported per variant so the cost they move to the producer shows too. ``SingleFlightTask``
+takes and releases its lease in the worker, around the body.
+
+One measurement (a variant in a round): publish N messages (``--tasks``, default 3,000) to the
+variant's own queue while no worker consumes it (timed: the dispatch rate), then start a fresh
+real worker (``celery worker --pool prefork --concurrency 2``, default prefetch multiplier,
+``--without-gossip --without-mingle --without-heartbeat``, consuming only that queue), wait
+until the recorder's counter reaches N, and stop the worker by its PID (warm shutdown). Each run
+``INCR``s the round's counter in the recorder; the run that makes it 1 stamps ``first`` and the
+one that makes it N stamps ``last`` (``time.time()`` inside the worker), so the worker's start-up
+and shutdown are outside the measured interval and every variant pays the same recorder round
+trip. Throughput = N / (last - first). A fresh worker per measurement (rather than one
+long-lived worker per variant with ``add_consumer``/``cancel_consumer``) means no variant
+inherits another's prefetched messages, pool state or heartbeat threads, and the queue is full
+before the first message is taken, so the worker never waits for the producer. One unmeasured
+warm-up worker first runs a few tasks of every variant (Lua scripts loaded into the server,
+page cache warm).
+
+Rounds are interleaved (plain, singleflight, once, singleton; again ...; ``--rounds``, default 3),
+so slow drift of a busy machine hits every variant alike. The report: per variant the median
+tasks/s with min and max, the median dispatch rate, and the ratio to plain Celery, paired (the
+median over rounds of variant/plain of the same round), with the verdict for SingleFlightTask
+against the 0.95 budget. Per-task log lines of Celery ("received", "succeeded") are off for every
+variant by default (``--task-logs`` keeps them), which makes the fixed per-task cost smaller and
+so the ratio stricter.
+
+By default a private redis-server is started on a free loopback port (broker db 0, leases and
+locks db 1, recorder db 2) and stopped afterwards. With ``--redis-url`` that server and DB are
+used for everything instead: every key written starts with a unique prefix (celery-once's keys,
+which take no prefix, are ``qo_throughputapp.once.<prefix>_...``) and only those keys are
+deleted at the end (nothing is flushed). Workers are started by this benchmark and stopped by
+their own PIDs (SIGTERM, then SIGKILL of their own process group if anything is left).
+
+The result is a report, not a test: the exit status is 0 whatever the verdict.
+
+    .venv/bin/python benchmarks/bench_throughput.py [--tasks N] [--rounds N] [--redis-url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import celery
+import kombu
+import redis
+from kombu.utils.url import maybe_sanitize_url
+
+from celery_singleflight.testing import RedisServer, WorkerProcess
+
+HERE = Path(__file__).resolve().parent
+CONCURRENCY = 2
+BUDGET_RATIO = 0.95
+WARMUP_TASKS = 50  # per variant, in the unmeasured warm-up worker
+VARIANTS = ("plain", "singleflight", "once", "singleton")
+LABELS = {
+    "plain": "plain Celery `Task` (baseline)",
+    "singleflight": "`SingleFlightTask`, unique key per task",
+    "once": "`celery_once.QueueOnce` (lock at dispatch)",
+    "singleton": "`celery_singleton.Singleton` (lock at dispatch)",
+}
+DISTRIBUTIONS = {"once": "celery-once", "singleton": "celery-singleton"}
+
+
+@dataclass
+class Measurement:
+    round_no: int
+    variant: str
+    tasks_per_s: float
+    dispatch_per_s: float
+    seconds: float  # last - first
+    leftover_locks: int | None  # lock keys of this variant still in Redis after the run
+    dispatch_commands: float | None = None  # Redis commands per published message (private server)
+    worker_commands: float | None = None  # Redis commands per task while the worker ran (private server)
+
+
+@dataclass
+class Variant:
+    name: str
+    available: bool
+    note: str = ""
+    runs: list[Measurement] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+def version_of(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def delete_matching(client: redis.Redis, pattern: str) -> int:
+    deleted = 0
+    batch: list[bytes] = []
+    for key in client.scan_iter(match=pattern, count=1_000):
+        batch.append(key)
+        if len(batch) == 1_000:
+            deleted += int(client.unlink(*batch))
+            batch.clear()
+    if batch:
+        deleted += int(client.unlink(*batch))
+    return deleted
+
+
+def count_matching(client: redis.Redis, pattern: str) -> int:
+    return sum(1 for _ in client.scan_iter(match=pattern, count=1_000))
+
+
+def worker_problems(log: str) -> list[str]:
+    wanted = ("ERROR", "CRITICAL", "Traceback", "WARNING/")
+    return [line for line in log.splitlines() if any(w in line for w in wanted)]
+
+
+class Bench:
+    def __init__(self, ta: ModuleType, args: argparse.Namespace, env: dict[str, str], broker: redis.Redis,
+                 locks: redis.Redis, broker_key_prefix: str, private: bool) -> None:
+        self.ta = ta
+        self.private = private
+        self.polls = 0
+        self.args = args
+        self.env = env
+        self.broker = broker
+        self.locks = locks
+        self.broker_key_prefix = broker_key_prefix
+        self.recorder: redis.Redis = ta.recorder
+        self.problems: list[str] = []
+
+    def queue(self, variant: str) -> str:
+        return f"{self.ta.PREFIX}-tp-{variant}"
+
+    def lock_pattern(self, variant: str) -> str | None:
+        """A SCAN pattern matching the held locks of a variant (None: it has none)."""
+        prefix = self.ta.PREFIX
+        if variant == "singleflight":
+            return f"{prefix}:{{*}}:lease"
+        if variant == "once":
+            return f"qo_{self.ta.once_task_name()}_*"
+        if variant == "singleton":
+            return f"{prefix}:singleton:*"
+        return None
+
+    def new_worker(self, queues: Sequence[str]) -> WorkerProcess:
+        worker = WorkerProcess("throughputapp", concurrency=CONCURRENCY, env=self.env, cwd=str(HERE),
+                               loglevel="INFO", extra=["-Q", ",".join(queues), "--without-heartbeat"])
+        # WorkerProcess pins --prefetch-multiplier 1 (right for latency tests); throughput runs with
+        # Celery's default (4), so drop the pin.
+        at = worker.args.index("--prefetch-multiplier")
+        del worker.args[at:at + 2]
+        return worker
+
+    def run_worker_until(self, worker: WorkerProcess, done: Any, timeout: float, what: str) -> None:
+        try:
+            worker.start()
+            deadline = time.monotonic() + timeout
+            while not done():
+                if worker.proc is None or worker.proc.poll() is not None:
+                    raise RuntimeError(f"the worker exited during {what}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} not finished within {timeout:g} s")
+                time.sleep(0.05)
+                self.polls += 1
+        finally:
+            worker.stop()
+            worker.kill()  # only the worker's own process group, if anything of it is left
+            self.problems.extend(worker_problems(worker.log()))
+            if self.args.keep_logs:
+                print(f"  worker log kept at {worker.log_path}")
+            else:
+                worker.cleanup()
+
+    def dispatch(self, variant: str, round_id: str, n: int) -> float:
+        """Publish n messages of ``variant``; return the dispatch rate (messages/s)."""
+        task = self.ta.TASKS[variant]
+        queue = self.queue(variant)
+        self.broker.delete(f"{self.broker_key_prefix}{queue}")  # our own queue: leftovers of a failed run
+        t0 = time.perf_counter()
+        for i in range(n):
+            task.apply_async((i, round_id, n), queue=queue)
+        elapsed = time.perf_counter() - t0
+        queued = int(self.broker.llen(f"{self.broker_key_prefix}{queue}"))
+        if queued != n:
+            raise RuntimeError(f"{queued} messages in {queue} after publishing {n}")
+        return n / elapsed
+
+    def warm_up(self, variants: Sequence[str]) -> None:
+        round_id = f"warmup-{uuid.uuid4().hex[:8]}"
+        ids = {v: f"{round_id}-{v}" for v in variants}
+        for v in variants:
+            self.dispatch(v, ids[v], WARMUP_TASKS)
+        worker = self.new_worker([self.queue(v) for v in variants])
+
+        def done() -> bool:
+            return all(int(self.recorder.get(self.ta.count_key(rid)) or 0) >= WARMUP_TASKS
+                       for rid in ids.values())
+
+        self.run_worker_until(worker, done, 120.0, "warm-up")
+
+    def commands(self) -> int | None:
+        """Commands the (private) server has executed so far, including those inside Lua scripts."""
+        if not self.private:
+            return None
+        stats = self.broker.info("commandstats")
+        return sum(int(v["calls"]) for v in stats.values() if isinstance(v, dict))
+
+    def measure(self, variant: str, round_no: int) -> Measurement:
+        n = self.args.tasks
+        round_id = f"r{round_no}-{variant}-{uuid.uuid4().hex[:8]}"
+        c0 = self.commands()
+        dispatch_rate = self.dispatch(variant, round_id, n)
+        c1 = self.commands()
+        worker = self.new_worker([self.queue(variant)])
+        ta = self.ta
+
+        def done() -> bool:
+            return bool(self.recorder.exists(ta.last_key(round_id)))
+
+        self.polls = 0
+        self.run_worker_until(worker, done, 60.0 + n / 20, f"{variant} round {round_no}")
+        c2 = self.commands()
+        count = int(self.recorder.get(ta.count_key(round_id)) or 0)
+        if count != n:
+            raise RuntimeError(f"{variant} round {round_no}: {count} runs counted, expected {n}")
+        first = float(self.recorder.get(ta.first_key(round_id)) or 0)
+        last = float(self.recorder.get(ta.last_key(round_id)) or 0)
+        pattern = self.lock_pattern(variant)
+        leftover = count_matching(self.locks, pattern) if pattern else None
+        per_dispatch = per_task = None
+        if c0 is not None and c1 is not None and c2 is not None:
+            per_dispatch = (c1 - c0 - 3) / n  # minus DEL, the LLEN check and one INFO
+            per_task = (c2 - c1 - self.polls - 1) / n  # minus this process's polls and one INFO
+        return Measurement(round_no, variant, n / (last - first), dispatch_rate, last - first, leftover,
+                           per_dispatch, per_task)
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def median_ratio(variant: Variant, baseline: Variant, pick: str) -> tuple[float, list[float]] | None:
+    base = {m.round_no: getattr(m, pick) for m in baseline.runs}
+    ratios = [getattr(m, pick) / base[m.round_no] for m in variant.runs if m.round_no in base]
+    if not ratios:
+        return None
+    return statistics.median(ratios), ratios
+
+
+def summary_table(variants: Sequence[Variant]) -> str:
+    baseline = next(v for v in variants if v.name == "plain")
+    lines = [
+        "| variant | rounds | tasks/s median | min - max | ratio to plain (paired median; per round) "
+        "| dispatch msgs/s median (ratio) | budget | verdict |",
+        "|---|---:|---:|---:|---|---:|---|---|",
+    ]
+    for v in variants:
+        if not v.available:
+            lines.append(f"| {LABELS[v.name]} | 0 | {v.note} | | | | | |")
+            continue
+        if not v.runs:
+            lines.append(f"| {LABELS[v.name]} | 0 | n/a (failed) | | | | | |")
+            continue
+        tps = [m.tasks_per_s for m in v.runs]
+        disp = [m.dispatch_per_s for m in v.runs]
+        got = median_ratio(v, baseline, "tasks_per_s")
+        dgot = median_ratio(v, baseline, "dispatch_per_s")
+        if v.name == "plain":
+            ratio_text, dratio_text = "1 (baseline)", ""
+        else:
+            ratio_text = (f"{got[0]:.3f} ({', '.join(f'{r:.3f}' for r in got[1])})" if got else "n/a")
+            dratio_text = f" ({dgot[0]:.2f})" if dgot else ""
+        if v.name == "singleflight":
+            budget = f"≥ {BUDGET_RATIO:g} x plain"
+            verdict = "n/a" if got is None else ("PASS" if got[0] >= BUDGET_RATIO else "MISS")
+        else:
+            budget, verdict = "—", ("baseline" if v.name == "plain" else "comparison")
+        lines.append(
+            f"| {LABELS[v.name]} | {len(v.runs)} | {_rate(statistics.median(tps))} | "
+            f"{_rate(min(tps))} - {_rate(max(tps))} | {ratio_text} | "
+            f"{_rate(statistics.median(disp))}{dratio_text} | {budget} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def rounds_table(variants: Sequence[Variant]) -> str:
+    runs = sorted((m for v in variants for m in v.runs), key=lambda m: m.round_no)
+    lines = ["| round | variant | tasks/s | first → last s | dispatch msgs/s | locks left in Redis "
+             "| Redis commands per message: dispatch / worker |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for m in runs:
+        left = "—" if m.leftover_locks is None else f"{m.leftover_locks:,}"
+        cmds = ("n/a (shared server)" if m.dispatch_commands is None or m.worker_commands is None
+                else f"{m.dispatch_commands:.1f} / {m.worker_commands:.1f}")
+        lines.append(f"| {m.round_no} | {m.variant} | {_rate(m.tasks_per_s)} | {m.seconds:.3f} | "
+                     f"{_rate(m.dispatch_per_s)} | {left} | {cmds} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, url: str, private: bool) -> None:
+    started = time.monotonic()
+    prefix = f"sftp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if private:
+        broker_url, locks_url, recorder_url = f"{url}/0", f"{url}/1", f"{url}/2"
+    else:
+        broker_url = locks_url = recorder_url = url
+    env = {
+        "SF_TP_PREFIX": prefix,
+        "SF_TP_BROKER": broker_url,
+        "SF_TP_LOCKS": locks_url,
+        "SF_TP_RECORDER": recorder_url,
+        "SF_TP_BROKER_PREFIX": "0" if private else "1",
+        "SF_TP_TASK_LOGS": "1" if args.task_logs else "0",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
+    }
+    os.environ.update(env)  # throughputapp reads its configuration when imported, here and in the workers
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    ta = importlib.import_module("throughputapp")
+    broker = redis.Redis.from_url(broker_url)
+    locks = redis.Redis.from_url(locks_url)
+    server_version = broker.info("server")["redis_version"]
+    broker_key_prefix = ta.transport_options.get("global_keyprefix", "")
+
+    wanted = [v for v in VARIANTS if v not in args.skip]
+    variants = [Variant(name, name in ta.TASKS, ta.UNAVAILABLE.get(name, "")) for name in wanted]
+    for v in variants:
+        if not v.available and not v.note:
+            v.note = "not installed"
+    active = [v.name for v in variants if v.available]
+
+    try:
+        load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover - not on Linux
+        load = "n/a"
+    print(f"redis-server {server_version} at {maybe_sanitize_url(url)} "
+          f"({'private, started by this benchmark' if private else 'given by --redis-url'}); "
+          f"broker {maybe_sanitize_url(broker_url)}, leases/locks {maybe_sanitize_url(locks_url)}, "
+          f"recorder {maybe_sanitize_url(recorder_url)}; key prefix {prefix!r}")
+    print(f"python {platform.python_version()}, celery {celery.__version__}, kombu {kombu.__version__}, "
+          f"redis-py {redis.__version__}, hiredis {version_of('hiredis')}, "
+          f"celery-once {version_of('celery-once')}, celery-singleton {version_of('celery-singleton')}; "
+          f"{os.cpu_count()} CPUs, load average {load} (1/5/15 min) at start")
+    print(f"per measurement: {args.tasks:,} messages published to the variant's queue, then a fresh "
+          f"`celery worker --pool prefork --concurrency {CONCURRENCY} --without-gossip --without-mingle "
+          f"--without-heartbeat` (prefetch multiplier: Celery's default) drains it; "
+          f"{args.rounds} round(s), variants interleaved in each: {', '.join(active)}; per-task log lines "
+          f"{'ON' if args.task_logs else 'off'}; results ignored, acks early")
+    bench = Bench(ta, args, env, broker, locks, broker_key_prefix, private)
+    try:
+        if active:
+            t0 = time.monotonic()
+            bench.warm_up(active)
+            print(f"warm-up worker: {WARMUP_TASKS} tasks of each variant in {time.monotonic() - t0:.1f} s",
+                  flush=True)
+        for round_no in range(1, args.rounds + 1):
+            for v in variants:
+                if not v.available:
+                    continue
+                try:
+                    m = bench.measure(v.name, round_no)
+                except (RuntimeError, TimeoutError) as exc:
+                    v.failed.append(str(exc))
+                    print(f"  round {round_no} {v.name}: FAILED: {exc}", flush=True)
+                    continue
+                v.runs.append(m)
+                print(f"  round {round_no} {v.name}: {_rate(m.tasks_per_s)} tasks/s, dispatch "
+                      f"{_rate(m.dispatch_per_s)} msgs/s", flush=True)
+    finally:
+        if not private:
+            deleted = delete_matching(broker, f"{prefix}:*")
+            deleted += delete_matching(broker, f"qo_{ta.once_task_name()}_*")
+            print(f"cleanup: deleted {deleted:,} keys under {prefix}:* and qo_{ta.once_task_name()}_*")
+        broker.close()
+        locks.close()
+        ta.recorder.close()
+        ta.app.pool.force_close_all()
+
+    print()
+    print(f"Throughput, {args.tasks:,} no-op tasks per measurement (N / (last end - first start)), "
+          f"{args.rounds} interleaved round(s):")
+    print()
+    print(summary_table(variants))
+    print()
+    print("Per measurement:")
+    print()
+    print(rounds_table(variants))
+    print()
+    print("celery-once and celery-singleton take their lock in `apply_async`, in the producer (this "
+          "process), so their worker-side cost is only the unlock; their lock round trip shows in the "
+          "dispatch rate instead. SingleFlightTask and plain Celery publish the same way; the lease is "
+          "taken and released in the worker. \"locks left in Redis\" counts the variant's lock keys after "
+          "its worker drained the queue (0: every run released its lock). Redis commands are "
+          "counted by the private server (INFO commandstats, including commands inside Lua scripts; the "
+          "worker figure includes its start-up and shutdown, spread over the N tasks).")
+    for v in variants:
+        for failure in v.failed:
+            print(f"{v.name}: FAILED: {failure}")
+    print()
+    print(f"worker logs: {len(bench.problems)} warning/error lines" + (":" if bench.problems else ""))
+    for line in bench.problems[:10]:
+        print(f"  {line}")
+    print(f"total time {time.monotonic() - started:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--tasks", type=int, default=3000, help="messages per measurement (3000)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (3)")
+    parser.add_argument("--redis-url",
+                        help="use this Redis and DB (only keys under a unique prefix are touched)")
+    parser.add_argument("--skip", action="append", default=[], choices=[v for v in VARIANTS if v != "plain"],
+                        help="leave a variant out (repeatable)")
+    parser.add_argument("--task-logs", action="store_true",
+                        help="keep Celery's per-task INFO log lines (received/succeeded) in the workers")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the workers' log files")
+    args = parser.parse_args()
+    if args.tasks < 2 or args.rounds < 1:
+        parser.error("--tasks must be >= 2 and --rounds >= 1")
+    if args.redis_url:
+        run(args, args.redis_url, private=False)
+        return 0
+    server = RedisServer().start()
+    try:
+        run(args, server.url, private=True)
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
