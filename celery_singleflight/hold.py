@@ -280,7 +280,8 @@ def _release(app: Any, lease: Lease, outcome: str) -> None:
             return
         lease.released = True  # before the round trip: a late renewal must not report a loss
     try:
-        ours = lease.store.release(lease.key, lease.token, outcome, lease.ttl, fence=lease.fence)
+        ours = lease.store.release(lease.key, lease.token, outcome, lease.ttl, fence=lease.fence,
+                                   clear_marker=False)
     except redis.RedisError as exc:
         log_release.warning(
             "could not release key=%r holder=%s; it frees when its lease expires in %.1fs: %s",

@@ -380,19 +380,21 @@ class LeaseStore:
 
     def release(
         self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0, answer_joined: bool = True,
-        fence: int | None = None, slot: int = 0,
+        fence: int | None = None, slot: int = 0, clear_marker: bool = True,
     ) -> Released:
         """One round trip: free the key if the lease is ours, record the run's outcome, hand the
         key to the first parked run and take the runs joined to this one (see :class:`Released`).
 
         ``answer_joined=False`` (a run that is retried) leaves joined runs waiting for the next run.
+        ``clear_marker=False`` (tasks without ``dedup_enqueue``, ``hold()``) skips the enqueue-time
+        dedup marker: only a task that dedups at enqueue sets one for its own task id.
         """
         retention = _ms(self.status_retention) if self.status_retention > 0 else 0
         reply = self._release(
             keys=[*self._run_keys(key, slot), self.queue_key(key), self.parked_key(key), self.joined_key(key),
                   self.marker_key(key)],
             args=[token, outcome, retention, self.history_length, _ms(ttl), "1" if answer_joined else "0",
-                  "" if fence is None else fence],
+                  "" if fence is None else fence, "1" if clear_marker else "0"],
         )
         if int(reply[0]) != 1:
             return Released(False)

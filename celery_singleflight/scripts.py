@@ -120,10 +120,14 @@ if ARGV[10] ~= '' then
   redis.call('LREM', queue, 1, ARGV[10])
   redis.call('HDEL', parked, id, 'r:' .. id)
 end
--- a missing counter is seeded from the clock (microseconds), so fences keep growing after
--- Redis lost its data or the counter expired unused; its TTL is refreshed on every acquire
-redis.call('SET', fence_key, now[1] .. string.format('%06d', tonumber(now[2])), 'NX')
+-- a missing counter (INCR gives 1) is seeded from the clock (microseconds), so fences keep
+-- growing after Redis lost its data or the counter expired unused; its TTL is refreshed on
+-- every acquire
 local fence = redis.call('INCR', fence_key)
+if fence == 1 then
+  redis.call('SET', fence_key, now[1] .. string.format('%06d', tonumber(now[2])))
+  fence = redis.call('INCR', fence_key)
+end
 redis.call('PEXPIRE', fence_key, ARGV[7])
 local since = string.format('%.0f', now_ms)
 redis.call('HSET', KEYS[slot], 'token', ARGV[1], 'task_id', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
@@ -290,15 +294,24 @@ return out
 # Shared by RELEASE, FORCE_RELEASE and PROGRESS: start a fresh status for this run when the
 # stored one belongs to an earlier run (another fence), copying the holder from the lease.
 _STATUS_FOR_RUN = """
-local function status_for_run(lease_fields, status, history)
+-- ``extra``: more fields to set (in the same HSET); returns the fence and whether the status is
+-- new (then it has no history yet)
+local function status_for_run(lease_fields, status, history, extra)
   local fence = lease_fields[5]
   if redis.call('HGET', status, 'fence') ~= fence then
     redis.call('DEL', status, history)
-    redis.call('HSET', status, 'task_id', lease_fields[1], 'worker', lease_fields[2],
-      'host', lease_fields[3], 'pid', lease_fields[4], 'fence', fence, 'started', lease_fields[6],
-      'task_name', lease_fields[7])
+    local fields = {'task_id', lease_fields[1], 'worker', lease_fields[2], 'host', lease_fields[3],
+      'pid', lease_fields[4], 'fence', fence, 'started', lease_fields[6], 'task_name', lease_fields[7]}
+    for _, value in ipairs(extra or {}) do
+      table.insert(fields, value)
+    end
+    redis.call('HSET', status, unpack(fields))
+    return fence, true
   end
-  return fence
+  if extra then
+    redis.call('HSET', status, unpack(extra))
+  end
+  return fence, false
 end
 local function now_ms()
   local t = redis.call('TIME')
@@ -322,6 +335,7 @@ RELEASE = _STATUS_FOR_RUN + _HAND_OFF + """
 -- ARGV[5] - lease TTL for a handoff reservation, milliseconds
 -- ARGV[6] - '1' to hand the joined runs to the caller (who gives them this run's result)
 -- ARGV[7] - the run's fence (to record its end even when its lease is already gone)
+-- ARGV[8] - '1' if the run's task dedups at enqueue (its marker is cleared)
 -- return {0} if the lease was not ours, else {1, message of the parked run now handed the key
 --        or '', joined run messages...} (the caller sends the message and answers the joined runs)
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
@@ -338,7 +352,8 @@ if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
 end
 local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
 redis.call('DEL', KEYS[1])
-if holder[1] and redis.call('HGET', KEYS[5], holder[1]) then
+local waiting = redis.call('LLEN', KEYS[4]) > 0
+if waiting and holder[1] and redis.call('HGET', KEYS[5], holder[1]) then
   -- a redelivery of this run parked behind it (PARK, own): the run ended, so it must not run
   local prefix = holder[1] .. '|'
   for _, entry in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
@@ -348,27 +363,30 @@ if holder[1] and redis.call('HGET', KEYS[5], holder[1]) then
   end
   redis.call('HDEL', KEYS[5], holder[1], 'r:' .. holder[1])
 end
-if holder[1] and redis.call('GET', KEYS[7]) == holder[1] then
+if ARGV[8] == '1' and holder[1] and redis.call('GET', KEYS[7]) == holder[1] then
   redis.call('DEL', KEYS[7]) -- this run ended: the next enqueue sends a new message
 end
 local retention = tonumber(ARGV[3])
 local now = now_ms()
 if retention > 0 then
-  local fence = status_for_run(holder, KEYS[2], KEYS[3])
-  redis.call('HSET', KEYS[2], 'state', ARGV[2], 'outcome', ARGV[2], 'ended', now, 'updated', now)
+  local fence, fresh = status_for_run(holder, KEYS[2], KEYS[3],
+    {'state', ARGV[2], 'outcome', ARGV[2], 'ended', now, 'updated', now})
   redis.call('PEXPIRE', KEYS[2], retention)
-  if redis.call('EXISTS', KEYS[3]) == 1 then
+  if not fresh and redis.call('EXISTS', KEYS[3]) == 1 then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'kind', 'end', 'fence', fence,
       'state', ARGV[2], 'ts', now)
     redis.call('PEXPIRE', KEYS[3], retention)
   end
 end
-local out = {1, hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now) or ''}
+local out = {1, waiting and hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now) or ''}
 if ARGV[6] == '1' then
-  for _, joined in ipairs(redis.call('LRANGE', KEYS[6], 0, -1)) do
-    table.insert(out, joined)
+  local joined = redis.call('LRANGE', KEYS[6], 0, -1)
+  if #joined > 0 then
+    for _, message in ipairs(joined) do
+      table.insert(out, message)
+    end
+    redis.call('DEL', KEYS[6])
   end
-  redis.call('DEL', KEYS[6])
 end
 return out
 """

@@ -423,7 +423,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         try:
             ours = lease.store.release(lease.key, lease.token, reason, lease.ttl,
                                        answer_joined=reason != "retried", fence=lease.fence,
-                                       slot=lease.slot)
+                                       slot=lease.slot, clear_marker=self.options.dedup_enqueue)
         except redis.RedisError as exc:
             log_release.warning(
                 "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",

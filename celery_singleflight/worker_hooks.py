@@ -59,7 +59,8 @@ def release_for_ended_child(
         pid = int(record.get("pid", "0") or 0)
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
-        released = store.release(key, record["token"], reason, task.options.ttl, slot=slot)
+        released = store.release(key, record["token"], reason, task.options.ttl, slot=slot,
+                                 clear_marker=task.options.dedup_enqueue)
         if released.handoff is not None:
             from .queueing import send_parked
 
