@@ -35,7 +35,7 @@ from .outcome import SkippedRun, is_skipped
 from .settings import Options, resolve_options
 
 # status, progress and operations
-from .status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, watch
+from .status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, status_all, watch
 
 # the task base class
 from .task import SingleFlightTask, counters, store_for
@@ -82,6 +82,7 @@ __all__ = [
     "force_release",
     "held",
     "status",
+    "status_all",
     "watch",
     # settings
     "Options",

@@ -3,14 +3,23 @@
 Installed as a Celery command plugin (entry point group ``celery.commands``), so it runs with
 the app's own configuration::
 
-    celery -A proj singleflight ls [--prefix P] [--json]       the held keys, one row each
+    celery -A proj singleflight ls [--prefix P] [--json]       the held keys, one row per run
     celery -A proj singleflight show KEY [--json]              everything known about one key
-    celery -A proj singleflight watch KEY [--json] [--timeout S]
+    celery -A proj singleflight watch KEY [--slot N | --holder ID] [--json] [--timeout S]
                                                                 follow a run live until it ends
-    celery -A proj singleflight release KEY [--force] [--json] free a key whoever holds it
+    celery -A proj singleflight release KEY [--slot N | --holder ID] [--force] [--json]
+                                                                free a key whoever holds it
 
 KEY is the rendered key exactly as ``ls`` prints it: string values keep their JSON quotes, so
 the key of ``lock_key="job:<name>"`` called with ``name="a"`` is ``'job:"a"'`` in a shell.
+
+A key of a task with ``max_concurrency=N`` > 1 has one lease per slot (0 to N-1). ``ls`` lists
+every held slot as its own row (with a SLOT column when a row's slot is not 0), ``show`` prints
+every held slot of the key, and ``watch`` and ``release`` act on one run: the only one held, or
+the one chosen with ``--slot N`` or ``--holder TASK_ID``. With several slots held and neither
+option, they refuse (exit 6) and list the held slots rather than pick one. The slots of a key
+are found with SCAN; for a Redis user without ``+scan`` the slots that the app's tasks can have
+(their largest ``max_concurrency``) are read instead.
 
 ``watch`` draws a live progress bar when stdout is a terminal and ``rich`` is installed
 (``pip install celery-singleflight[cli]``), and prints one line per event otherwise; with
@@ -30,6 +39,8 @@ Exit codes:
 4     ``watch``: the run ended with another outcome than ``succeeded`` (failed, revoked,
       lost, force-released, expired, ...)
 5     ``watch``: ``--timeout`` passed before the run ended
+6     ``watch`` or ``release`` without ``--slot`` or ``--holder`` on a key with several held
+      slots (a ``max_concurrency`` > 1 key): nothing is done, the held slots are listed
 130   interrupted (Ctrl-C)
 ====  =====================================================================================
 """
@@ -56,9 +67,10 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from .errors import ConfigurationError
 from .settings import redis_url_for
-from .status import KeyStatus, StatusReader, WatchEvent, reader
+from .status import KeyStatus, StatusReader, WatchEvent, app_options, reader
 
 __all__ = [
+    "EXIT_AMBIGUOUS",
     "EXIT_CONFIG",
     "EXIT_ENDED_OTHERWISE",
     "EXIT_NOT_HELD",
@@ -74,6 +86,7 @@ EXIT_CONFIG = 2
 EXIT_REDIS = 3
 EXIT_ENDED_OTHERWISE = 4
 EXIT_TIMEOUT = 5
+EXIT_AMBIGUOUS = 6
 EXIT_INTERRUPTED = 130
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -139,24 +152,37 @@ def _json(value: Any, *, indent: int | None = 2) -> str:
 
 
 def status_table(rows: Iterable[KeyStatus]) -> list[str]:
-    """The ``ls`` table: one aligned line per held key, under a header."""
-    header = ("KEY", "TASK ID", "TASK", "STATE", "PROGRESS", "AGE", "TTL")
+    """The ``ls`` table: one aligned line per held key (per held slot), under a header.
+
+    A SLOT column follows KEY when a row's slot is not 0 (a ``max_concurrency`` > 1 key).
+    """
+    rows = list(rows)
+    slots = any(st.slot for st in rows)
+    header: tuple[str, ...] = ("KEY", "TASK ID", "TASK", "STATE", "PROGRESS", "AGE", "TTL")
+    if slots:
+        header = ("KEY", "SLOT", *header[1:])
     lines = [header]
     for st in rows:
+        slot = (str(st.slot),) if slots else ()
         lines.append((
-            st.key, _short(st.task_id), st.task_name or "-", st.state,
+            st.key, *slot, _short(st.task_id), st.task_name or "-", st.state,
             progress_text(st.current, st.total, st.percent), duration(st.age), duration(st.ttl_left),
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
 
 
-def status_lines(st: KeyStatus, now: float | None = None) -> list[str]:
-    """Every field of a :class:`KeyStatus`, one ``name: value`` line each."""
+def status_lines(st: KeyStatus, now: float | None = None, slot: bool | None = None) -> list[str]:
+    """Every field of a :class:`KeyStatus`, one ``name: value`` line each.
+
+    The ``slot`` line is shown when ``slot`` is true, or (by default) when the slot is not 0.
+    """
     held = "yes" if st.held else f"no (the run ended: {st.outcome or st.state})"
     pid = "-" if st.pid is None else str(st.pid)
-    rows: list[tuple[str, str]] = [
-        ("key", st.key),
+    rows: list[tuple[str, str]] = [("key", st.key)]
+    if slot or (slot is None and st.slot):
+        rows.append(("slot", str(st.slot)))
+    rows += [
         ("held", held),
         ("state", st.state),
         ("outcome", st.outcome or "-"),
@@ -179,7 +205,7 @@ def status_lines(st: KeyStatus, now: float | None = None) -> list[str]:
     ]
     shown = {"key", "held", "state", "outcome", "task_id", "task_name", "worker", "host", "pid", "fence",
              "current", "total", "percent", "message", "fields", "started", "updated", "ended", "age",
-             "ttl_left", "queued", "released_by", "args"}
+             "ttl_left", "queued", "released_by", "args", "slot"}
     for name, value in st.as_dict().items():  # fields added to KeyStatus later
         if name not in shown:
             rows.append((name.replace("_", " "), "-" if value is None else _json(value, indent=None)))
@@ -205,11 +231,17 @@ def holder_text(st: KeyStatus) -> str:
     """Who holds a key, in one line."""
     where = " ".join(p for p in (st.worker, f"pid {st.pid}" if st.pid else None) if p)
     return (
-        f"key {st.key} is held by task {st.task_id or '<unknown>'} ({st.task_name or 'unknown task'})"
+        f"{_where(st.key, st.slot)} is held by task {st.task_id or '<unknown>'}"
+        + f" ({st.task_name or 'unknown task'})"
         + (f" on {where}" if where else "")
         + f", {st.state} {progress_text(st.current, st.total, st.percent)}"
         + f", for {duration(st.age)}, lease left {duration(st.ttl_left)}"
     )
+
+
+def _where(key: str, slot: int | None) -> str:
+    """``key K``, or ``key K (slot N)`` for a slot other than 0."""
+    return f"key {key}" + (f" (slot {slot})" if slot else "")
 
 
 def redacted(url: str) -> str:
@@ -278,17 +310,85 @@ def _reader(ctx: click.Context) -> StatusReader:
         _exit(ctx, EXIT_CONFIG, f"Error: configuration: {exc}")
 
 
-def _not_held(ctx: click.Context, key: str, st: KeyStatus | None, verb: str = "is not held") -> NoReturn:
+def _not_held(
+    ctx: click.Context, key: str, st: KeyStatus | None, verb: str = "is not held", slot: int = 0
+) -> NoReturn:
+    where = _where(key, slot)
     if st is not None:
         ended = f"{duration(time.time() - st.ended)} ago" if st.ended is not None else "earlier"
-        _exit(ctx, EXIT_NOT_HELD, f"key {key} {verb}: its last run ended {st.outcome or st.state} {ended}")
+        _exit(ctx, EXIT_NOT_HELD, f"{where} {verb}: its last run ended {st.outcome or st.state} {ended}")
     hint = ""
     if _DIGEST_MARK not in key and '"' not in key:
         hint = (
             "\nhint: give the key exactly as `celery singleflight ls` shows it;"
             " string values keep their JSON quotes (e.g. 'job:\"a\"')"
         )
-    _exit(ctx, EXIT_NOT_HELD, f"key {key} {verb}: nothing is known about it{hint}")
+    _exit(ctx, EXIT_NOT_HELD, f"{where} {verb}: nothing is known about it{hint}")
+
+
+def _known_slots(app: Any) -> int:
+    """The most slots a key of ``app`` can have: the largest ``max_concurrency`` of its setting
+    and of its registered singleflight tasks."""
+    from .task import SingleFlightTask
+
+    most = app_options(app).max_concurrency
+    for task in list(app.tasks.values()):
+        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None:
+            with contextlib.suppress(ValueError):  # a task with a bad option: not ours to report
+                most = max(most, task.options.max_concurrency)
+    return most
+
+
+def _held_runs(ctx: click.Context, status_reader: StatusReader, key: str) -> list[KeyStatus]:
+    """Every held slot of KEY, by slot: found with SCAN or, for a Redis user refused SCAN (an ACL
+    without +scan), by reading the slots the app's tasks can have."""
+    try:
+        return status_reader.read_all(key)
+    except redis.exceptions.NoPermissionError:
+        return status_reader.read_all(key, slots=_known_slots(_app(ctx)))
+
+
+def _held_text(runs: Iterable[KeyStatus]) -> str:
+    return ", ".join(f"slot {st.slot}: task {st.task_id or '<unknown>'}" for st in runs)
+
+
+def _choose_run(
+    ctx: click.Context, status_reader: StatusReader, key: str, slot: int | None, holder: str | None,
+    failed: Callable[[list[KeyStatus]], None] = lambda runs: None,
+) -> KeyStatus:
+    """The held run of KEY that ``--slot`` and ``--holder`` choose, else the only one held.
+
+    Exits 1 if it is not held (or nothing is), and 6 if several slots are held and neither
+    option chose one; ``failed`` is called first (with the held runs), e.g. to print JSON.
+    """
+    if slot is not None:
+        st = status_reader.read(key, slot)
+        if st is None or not st.held:
+            failed([])
+            _not_held(ctx, key, st, slot=slot)
+        if holder and st.task_id != holder:
+            failed([st])
+            _exit(ctx, EXIT_NOT_HELD, f"{_where(key, slot)} is held by task {st.task_id}, not by {holder}")
+        return st
+    runs = _held_runs(ctx, status_reader, key)
+    if holder:
+        chosen = [st for st in runs if st.task_id == holder]
+        if not chosen:
+            failed(runs)
+            held = f"; held: {_held_text(runs)}" if runs else ""
+            _exit(ctx, EXIT_NOT_HELD, f"no slot of key {key} is held by task {holder}{held}")
+        return chosen[0]
+    if not runs:
+        failed([])
+        _not_held(ctx, key, status_reader.read(key))
+    if len(runs) > 1:
+        failed(runs)
+        _exit(
+            ctx, EXIT_AMBIGUOUS,
+            f"key {key} is held by {len(runs)} runs ({_held_text(runs)}):"
+            " choose one with --slot N or --holder TASK_ID",
+        )
+    return runs[0]
 
 
 def _option(*names: str, **kwargs: Any) -> Callable[[_F], _F]:
@@ -296,6 +396,14 @@ def _option(*names: str, **kwargs: Any) -> Callable[[_F], _F]:
 
 
 _json_option = _option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+_slot_option = _option(
+    "--slot", type=click.IntRange(min=0), default=None, metavar="N",
+    help="The run on slot N of a max_concurrency > 1 key (0 is the first; see `ls`).",
+)
+_holder_option = _option(
+    "--holder", default=None, metavar="TASK_ID",
+    help="The run of task TASK_ID, on whichever slot of the key it holds.",
+)
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -309,7 +417,8 @@ def singleflight(ctx: click.Context, /, **kwargs: Any) -> None:
 
     KEY is the rendered key as `ls` shows it (string values keep their JSON quotes, so quote
     it for the shell: 'job:"a"'). Exit codes: 0 ok, 1 not held / aborted, 2 configuration,
-    3 Redis unreachable, 4 watched run did not succeed, 5 watch timed out.
+    3 Redis unreachable, 4 watched run did not succeed, 5 watch timed out, 6 several slots of
+    the key are held: choose one with --slot or --holder.
     """
     if not logging.getLogger().handlers:
         # an operator's action (force-release) is logged with when and at which level
@@ -323,7 +432,9 @@ def singleflight(ctx: click.Context, /, **kwargs: Any) -> None:
 def ls(ctx: click.Context, prefix: str, as_json: bool) -> None:
     """List the held keys: holder task, state, progress, age and lease time left.
 
-    Prints a line saying so (exit 0) when no key is held; --json prints a list of statuses.
+    One row per running run: a max_concurrency > 1 key has a row per held slot (and a SLOT
+    column is shown). Prints a line saying so (exit 0) when no key is held; --json prints a
+    list of statuses (each with its "slot").
     """
     with _handled(ctx):
         rows = _reader(ctx).held(prefix)
@@ -348,43 +459,58 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     Exits 0 when the key is held and 1 when it is not: for a run that ended (its status is kept
     for singleflight_status_retention seconds) it still prints the status with its outcome; for
     an unknown key it prints "not held" on stderr (and `null` with --json).
+
+    A max_concurrency > 1 key with several slots held prints each held slot (a block each, with
+    its slot); --json prints the first held slot's status with all of them under "slots".
     """
     with _handled(ctx):
-        st = _reader(ctx).read(key)
+        status_reader = _reader(ctx)
+        runs = _held_runs(ctx, status_reader, key)
+        st = runs[0] if runs else status_reader.read(key)
     if as_json:
-        click.echo(_json(None if st is None else st.as_dict()))
+        click.echo(_json(None if st is None else {**st.as_dict(), "slots": [r.as_dict() for r in runs]}))
+    elif runs:
+        several = len(runs) > 1
+        for i, run in enumerate(runs):
+            if i:
+                click.echo("")
+            for line in status_lines(run, slot=several or None):
+                click.echo(line)
     elif st is not None:
         for line in status_lines(st):
             click.echo(line)
-    if st is None or not st.held:
+    if not runs:
         _not_held(ctx, key, st)
 
 
 @singleflight.command(cls=CeleryCommand)
 @click.argument("key")
+@_slot_option
+@_holder_option
 @_json_option
 @_option(
     "--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
     help="Give up after SECONDS (exit 5) if the run has not ended by then.",
 )
 @click.pass_context
-def watch(ctx: click.Context, key: str, as_json: bool, timeout: float | None) -> None:
+def watch(
+    ctx: click.Context, key: str, slot: int | None, holder: str | None, as_json: bool, timeout: float | None
+) -> None:
     """Follow the run holding KEY live (its history first) until it ends.
 
     A progress bar when stdout is a terminal and rich is installed, else one line per event;
     --json prints one JSON object per event. Exits 0 if the run succeeded, 4 if it ended
     otherwise (failed, revoked, lost, force-released, expired...), 1 if KEY is not held when
-    the watch starts, 5 on --timeout.
+    the watch starts, 5 on --timeout. With several slots of KEY held (max_concurrency > 1),
+    choose the run with --slot or --holder (else exit 6).
     """
     no_color = bool(getattr(ctx.obj, "no_color", False))
     with _handled(ctx):
         status_reader = _reader(ctx)
-        st = status_reader.read(key)
-        if st is None or not st.held:
-            _not_held(ctx, key, st)
-        events = status_reader.watch(key, timeout=timeout)
+        st = _choose_run(ctx, status_reader, key, slot, holder)
+        events = status_reader.watch(key, timeout=timeout, slot=st.slot)
         if as_json:
-            last = _follow_json(key, events)
+            last = _follow_json(key, events, st.slot)
         elif _rich_wanted():
             last = _follow_rich(st, events, no_color)
         else:
@@ -392,8 +518,9 @@ def watch(ctx: click.Context, key: str, as_json: bool, timeout: float | None) ->
             last = _follow_plain(events)
     if last is None or not last.final:
         if timeout is not None:
-            _exit(ctx, EXIT_TIMEOUT, f"timed out after {duration(timeout)}: the run on key {key} goes on")
-        _exit(ctx, EXIT_ENDED_OTHERWISE, f"the run on key {key} ended; its outcome is unknown")
+            _exit(ctx, EXIT_TIMEOUT,
+                  f"timed out after {duration(timeout)}: the run on {_where(key, st.slot)} goes on")
+        _exit(ctx, EXIT_ENDED_OTHERWISE, f"the run on {_where(key, st.slot)} ended; its outcome is unknown")
     if last.state != "succeeded":
         ctx.exit(EXIT_ENDED_OTHERWISE)
 
@@ -408,10 +535,11 @@ def _rich_wanted() -> bool:
     return True
 
 
-def _follow_json(key: str, events: Iterator[WatchEvent]) -> WatchEvent | None:
+def _follow_json(key: str, events: Iterator[WatchEvent], slot: int = 0) -> WatchEvent | None:
     last = None
+    where: dict[str, Any] = {"key": key, "slot": slot} if slot else {"key": key}
     for event in events:
-        click.echo(_json({"key": key, **event.as_dict()}, indent=None))
+        click.echo(_json({**where, **event.as_dict()}, indent=None))
         last = event
     return last
 
@@ -431,7 +559,8 @@ def _follow_rich(st: KeyStatus, events: Iterator[WatchEvent], no_color: bool) ->
 
     console = Console(no_color=no_color, highlight=False)
     console.print(
-        f"watching [bold]{escape(st.key)}[/] task {escape(st.task_id or '?')}"
+        f"watching [bold]{escape(st.key)}[/]" + (f" slot {st.slot}" if st.slot else "")
+        + f" task {escape(st.task_id or '?')}"
         f" ({escape(st.task_name or 'unknown task')}); Ctrl-C stops watching, not the task"
     )
     last = None
@@ -476,10 +605,14 @@ def _follow_rich(st: KeyStatus, events: Iterator[WatchEvent], no_color: bool) ->
 
 @singleflight.command(cls=CeleryCommand)
 @click.argument("key")
+@_slot_option
+@_holder_option
 @_option("-f", "--force", is_flag=True, help="Do not ask for confirmation.")
 @_json_option
 @click.pass_context
-def release(ctx: click.Context, key: str, force: bool, as_json: bool) -> None:
+def release(
+    ctx: click.Context, key: str, slot: int | None, holder: str | None, force: bool, as_json: bool
+) -> None:
     """Force-release KEY, whoever holds it: the key is free at once.
 
     Shows the holder and asks first (default no) unless --force. Only the holder shown is
@@ -487,15 +620,23 @@ def release(ctx: click.Context, key: str, force: bool, as_json: bool) -> None:
     is not stopped; its heartbeat reports the lease lost. Recorded (status, history, a WARNING
     log and the lease_force_released signal) as released by user@host. Prints the released task
     id (exit 0); exit 1 if the key is not held or the confirmation is declined.
+
+    A max_concurrency > 1 key: releases one slot, the only one held or the one chosen with
+    --slot N or --holder TASK_ID; with several held and neither option, nothing is released
+    and the held slots are listed (exit 6; --json lists them under "held").
     """
     by = released_by()
+
+    def failed(runs: list[KeyStatus]) -> None:
+        if as_json:
+            answer: dict[str, Any] = {"key": key, "released": False, "task_id": None, "by": by}
+            if runs:
+                answer["held"] = [{"slot": run.slot, "task_id": run.task_id} for run in runs]
+            click.echo(_json(answer))
+
     with _handled(ctx):
         status_reader = _reader(ctx)
-        st = status_reader.read(key)
-        if st is None or not st.held:
-            if as_json:
-                click.echo(_json({"key": key, "released": False, "task_id": None, "by": by}))
-            _not_held(ctx, key, st)
+        st = _choose_run(ctx, status_reader, key, slot, holder, failed)
         click.echo(holder_text(st), err=as_json)
         if not force:
             try:
@@ -507,14 +648,18 @@ def release(ctx: click.Context, key: str, force: bool, as_json: bool) -> None:
                 confirmed = False
             if not confirmed:
                 _exit(ctx, EXIT_NOT_HELD, "aborted")
-        released = status_reader.force_release(key, by, expected_holder=st.task_id or "")
+        released = status_reader.force_release(key, by, expected_holder=st.task_id or "", slot=st.slot)
     if as_json:
-        click.echo(_json({"key": key, "released": released is not None, "task_id": released, "by": by}))
+        answer: dict[str, Any] = {"key": key, "released": released is not None, "task_id": released, "by": by}
+        if st.slot:
+            answer["slot"] = st.slot
+        click.echo(_json(answer))
+    where = _where(key, st.slot)
     if released is None:
         with _handled(ctx):
-            now = status_reader.read(key)
+            now = status_reader.read(key, st.slot)
         if now is not None and now.held:
-            _exit(ctx, EXIT_NOT_HELD, f"not released: key {key} is now held by another task ({now.task_id})")
-        _not_held(ctx, key, now, verb="was not released")
+            _exit(ctx, EXIT_NOT_HELD, f"not released: {where} is now held by another task ({now.task_id})")
+        _not_held(ctx, key, now, verb="was not released", slot=st.slot)
     if not as_json:
-        click.echo(f"released key {key}, held by task {released}")
+        click.echo(f"released {where}, held by task {released}")

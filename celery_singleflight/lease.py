@@ -411,13 +411,16 @@ class LeaseStore:
         self.client.zadd(self.waiting_index_key(), {key: _due_ms(ttl_left + grace)}, lt=True)
         return int(reply[0]), _str(reply[1])
 
-    def force_release(self, key: str, by: str, expected_holder: str = "") -> tuple[str, int] | None:
-        """Free ``key`` whoever holds it (an operator's decision); None if it was not held.
+    def force_release(
+        self, key: str, by: str, expected_holder: str = "", slot: int = 0
+    ) -> tuple[str, int] | None:
+        """Free ``key`` (one ``slot`` of it) whoever holds it (an operator's decision); None if it
+        was not held.
 
         With ``expected_holder``, only that task's lease is released (what the operator saw).
         """
         reply = self._force_release(
-            keys=self._run_keys(key),
+            keys=self._run_keys(key, slot),
             args=[by, _ms(self.status_retention), self.history_length, expected_holder],
         )
         if not reply:

@@ -5,13 +5,20 @@
     st = status(app, "sync:42")          # KeyStatus, or None if nothing is known of the key
     for event in watch(app, "sync:42"):  # replays the run's history, then follows it live
         print(event.state, event.percent)
-    for st in held(app, prefix="sync:"):  # every held key of the app's namespace
+    for st in held(app, prefix="sync:"):  # every held run of the app's namespace
+        ...
+    for st in status_all(app, "sync:42"):  # every held slot of a max_concurrency > 1 key
         ...
 
 A read is one round trip (a pipeline of HGETALL lease, PTTL lease, HGETALL status). Watching
 replays the run's history stream and then blocks on it with ``XREAD`` from the last entry seen, so
 nothing between "read" and "subscribe" is missed; it ends with the run. Listing uses ``SCAN``
 over the namespace's lease keys, never ``KEYS`` (see docs/status.md for why not an index).
+
+A key with ``max_concurrency=N`` > 1 has one lease per slot (``lease``, ``lease1`` ...
+``lease{N-1}``), each with its own status and history. ``held()`` lists one :class:`KeyStatus`
+per held slot (``slot`` says which); ``read(key)`` reads slot 0 (``read(key, slot=2)`` another),
+``read_all(key)`` every held slot.
 """
 
 from __future__ import annotations
@@ -29,10 +36,23 @@ from .keys import stored_key
 from .lease import LeaseStore
 from .settings import Options, resolve_options
 
-__all__ = ["KeyStatus", "StatusReader", "WatchEvent", "force_release", "held", "reader", "status", "watch"]
+__all__ = [
+    "KeyStatus",
+    "StatusReader",
+    "WatchEvent",
+    "force_release",
+    "held",
+    "reader",
+    "status",
+    "status_all",
+    "watch",
+]
 
 log = logging.getLogger("celery_singleflight.release")
 _TERMINAL_KINDS = ("end",)
+#: the part of a lease's Redis key: ``lease`` (slot 0) or ``lease<slot>`` (slot >= 1, no leading 0)
+_LEASE_PART = re.compile(r"lease(?:[1-9][0-9]*)?")
+_BATCH = 200
 
 
 def _text(raw: dict[Any, Any]) -> dict[str, str]:
@@ -80,6 +100,7 @@ class KeyStatus:
     duplicates: int = 0  # duplicates that arrived while this run held the key
     released_by: str | None = None
     args: Any = None  # only when the task opts in (status_include_args)
+    slot: int = 0  # which of the key's max_concurrency slots this run holds (0 for most keys)
 
     @property
     def age(self) -> float | None:
@@ -116,7 +137,7 @@ class WatchEvent:
 
 
 def _combine(
-    key: str, lease: dict[str, str], pttl: int, st: dict[str, str], queued: int = 0
+    key: str, lease: dict[str, str], pttl: int, st: dict[str, str], queued: int = 0, slot: int = 0
 ) -> KeyStatus | None:
     if not lease and not st and not queued:
         return None
@@ -155,6 +176,7 @@ def _combine(
         duplicates=int(run.get("duplicates") or 0),
         released_by=run.get("released_by"),
         args=json.loads(run["args"]) if run.get("args") else None,
+        slot=slot,
     )
 
 
@@ -196,59 +218,109 @@ class StatusReader:
         self.store = store
         self.client = store.client
 
-    def read(self, key: str) -> KeyStatus | None:
-        """The status of ``key`` in one round trip; None if nothing is known about it."""
-        key = stored_key(key)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(self.store.lease_key(key))
-        pipe.pttl(self.store.lease_key(key))
-        pipe.hgetall(self.store.status_key(key))
-        pipe.llen(self.store.queue_key(key))
-        lease, pttl, st, queued = pipe.execute()
-        return _combine(key, _text(lease), int(pttl), _text(st), int(queued))
+    def _status_key(self, key: str, slot: int) -> str:
+        return self.store._run_keys(key, slot)[1]
 
-    def held(self, prefix: str = "", count: int = 1000) -> list[KeyStatus]:
-        """Every held key whose user key starts with ``prefix``, found with SCAN (never KEYS)."""
-        escaped = self.store.layout.redis_key(prefix, "lease")
-        head = escaped[: -len("}:lease")]
-        pattern = _glob_escape(head) + "*}:lease"
-        keys: list[str] = []
+    def _history_key(self, key: str, slot: int) -> str:
+        return self.store._run_keys(key, slot)[2]
+
+    def _lease_slot(self, name: str) -> tuple[str, int] | None:
+        """(user key, slot) of a lease's Redis key name of this namespace, else None.
+
+        Only names the layout itself would produce for that user key and slot are accepted
+        (``<ns>:{<escaped key>}:lease`` or ``...:lease<slot>``), so a user key containing
+        ``}:lease1`` (escaped in the name) or a foreign name such as ``...:lease01`` is never
+        taken for a slot.
+        """
+        user_key = self.store.layout.user_key(name)
+        if user_key is None:
+            return None
+        part = name.rpartition("}:")[2]
+        if not _LEASE_PART.fullmatch(part):
+            return None
+        slot = int(part[len("lease"):] or 0)
+        return (user_key, slot) if self.store.lease_key(user_key, slot) == name else None
+
+    def _scan_leases(self, pattern: str, count: int) -> set[tuple[str, int]]:
+        found: set[tuple[str, int]] = set()
         for raw in self.client.scan_iter(match=pattern, count=count, _type="hash"):
-            name = raw.decode() if isinstance(raw, bytes) else str(raw)
-            user_key = self.store.layout.user_key(name)
-            if user_key is not None and user_key.startswith(prefix):
-                keys.append(user_key)
-        out: list[KeyStatus] = []
-        for start in range(0, len(keys), 200):
-            batch = keys[start : start + 200]
+            parsed = self._lease_slot(raw.decode() if isinstance(raw, bytes) else str(raw))
+            if parsed is not None:
+                found.add(parsed)
+        return found
+
+    def _read_many(self, runs: list[tuple[str, int]]) -> list[KeyStatus | None]:
+        """The status of each (key, slot), pipelined in batches (one round trip per batch)."""
+        out: list[KeyStatus | None] = []
+        for start in range(0, len(runs), _BATCH):
+            batch = runs[start : start + _BATCH]
             pipe = self.client.pipeline(transaction=False)
-            for key in batch:
-                pipe.hgetall(self.store.lease_key(key))
-                pipe.pttl(self.store.lease_key(key))
-                pipe.hgetall(self.store.status_key(key))
+            for key, slot in batch:
+                pipe.hgetall(self.store.lease_key(key, slot))
+                pipe.pttl(self.store.lease_key(key, slot))
+                pipe.hgetall(self._status_key(key, slot))
                 pipe.llen(self.store.queue_key(key))
             replies = pipe.execute()
-            for i, key in enumerate(batch):
+            for i, (key, slot) in enumerate(batch):
                 lease, pttl, st, queued = replies[4 * i : 4 * i + 4]
-                found = _combine(key, _text(lease), int(pttl), _text(st), int(queued))
-                if found is not None and found.held:
-                    out.append(found)
-        return sorted(out, key=lambda s: s.key)
+                out.append(_combine(key, _text(lease), int(pttl), _text(st), int(queued), slot))
+        return out
+
+    def read(self, key: str, slot: int = 0) -> KeyStatus | None:
+        """The status of ``key`` in one round trip; None if nothing is known about it.
+
+        Reads slot 0, the only one of a key with ``max_concurrency=1``; ``slot`` reads another
+        slot of a ``max_concurrency`` > 1 key (see :meth:`read_all` for every held one).
+        """
+        if slot < 0:
+            raise ValueError(f"slot must be 0 or more, not {slot}")
+        return self._read_many([(stored_key(key), slot)])[0]
+
+    def read_all(self, key: str, slots: int | None = None, count: int = 1000) -> list[KeyStatus]:
+        """The status of every held slot of ``key``, by slot; empty if no slot is held.
+
+        Without ``slots``, the key's lease hashes are found with SCAN (never KEYS; like
+        :meth:`held`, its cost grows with the size of the keyspace), then read in one round trip.
+        With ``slots=N`` (the key's ``max_concurrency``, when the caller knows it), slots 0 to
+        N-1 are read in one round trip, without SCAN.
+        """
+        key = stored_key(key)
+        if slots is None:
+            pattern = _glob_escape(self.store.lease_key(key)) + "*"
+            wanted = sorted(slot for found, slot in self._scan_leases(pattern, count) if found == key)
+        else:
+            if slots < 1:
+                raise ValueError(f"slots must be 1 or more, not {slots}")
+            wanted = list(range(slots))
+        return [st for st in self._read_many([(key, slot) for slot in wanted]) if st is not None and st.held]
+
+    def held(self, prefix: str = "", count: int = 1000) -> list[KeyStatus]:
+        """Every held run whose user key starts with ``prefix``, found with SCAN (never KEYS).
+
+        One :class:`KeyStatus` per held slot (a ``max_concurrency=3`` key with three runs is
+        listed three times, with ``slot`` 0, 1 and 2), sorted by key, then slot.
+        """
+        escaped = self.store.layout.redis_key(prefix, "lease")
+        head = escaped[: -len("}:lease")]
+        pattern = _glob_escape(head) + "*}:lease*"  # lease and lease<slot>; parsed exactly below
+        runs = sorted(run for run in self._scan_leases(pattern, count) if run[0].startswith(prefix))
+        return [st for st in self._read_many(runs) if st is not None and st.held]
 
     def watch(
-        self, key: str, timeout: float | None = None, poll: float = 0.5
+        self, key: str, timeout: float | None = None, poll: float = 0.5, slot: int = 0
     ) -> Iterator[WatchEvent]:
         """Yield the run's updates as they happen (history first), ending with its ``end`` event.
 
-        Follows the run that holds ``key`` now (or the last one, if it already ended). Stops after
-        ``timeout`` seconds if given. Yields nothing if nothing is known about the key.
+        Follows the run that holds ``key`` now (or the last one, if it already ended): the run
+        of slot 0, or of ``slot`` for a ``max_concurrency`` > 1 key (one run per watch). Stops
+        after ``timeout`` seconds if given. Yields nothing if nothing is known about the key.
         """
         key = stored_key(key)
-        snapshot = self.read(key)
+        snapshot = self.read(key, slot)
         if snapshot is None:
             return
         fence = snapshot.fence
-        stream = self.store.history_key(key)
+        stream = self._history_key(key, slot)
         deadline = None if timeout is None else mod_time.monotonic() + timeout
         cursor = ["0-0"]
         history: list[Any] = self.client.xrange(stream, min="-", max="+")  # type: ignore[assignment]
@@ -270,7 +342,7 @@ class StatusReader:
                     if event.final:
                         return
             if not reply:
-                now = self.read(key)
+                now = self.read(key, slot)
                 if now is None or not now.held or now.fence != fence:
                     # ended without a history entry (it never reported progress, or expired)
                     ended = now if now is not None and now.fence == fence else None
@@ -279,18 +351,24 @@ class StatusReader:
                                      ts=ended.ended if ended is not None else mod_time.time())
                     return
 
-    def force_release(self, key: str, by: str, expected_holder: str = "") -> str | None:
+    def force_release(self, key: str, by: str, expected_holder: str = "", slot: int = 0) -> str | None:
         """Free ``key`` whoever holds it; returns the released task id (None if not held).
 
+        Frees slot 0, or ``slot`` of a ``max_concurrency`` > 1 key (find the slot of a run with
+        :meth:`read_all`). With ``expected_holder``, only that task's lease is released.
         Logged at WARNING with who asked, and signalled (``lease_force_released``). The holder's
         heartbeat then reports its lease lost.
         """
+        if slot < 0:
+            raise ValueError(f"slot must be 0 or more, not {slot}")
         key = stored_key(key)
-        released = self.store.force_release(key, by, expected_holder)
+        released = self.store.force_release(key, by, expected_holder, slot)
         if released is None:
             return None
         task_id, fence = released
-        log.warning("force-released key=%r held by task %s (fence %s), by %s", key, task_id, fence, by)
+        where = f" slot {slot}" if slot else ""
+        log.warning("force-released key=%r%s held by task %s (fence %s), by %s",
+                    key, where, task_id, fence, by)
         signals.lease_force_released.send(sender=None, key=key, task_id=task_id, fence=fence, by=by)
         return task_id
 
@@ -321,21 +399,29 @@ def reader(app: Any) -> StatusReader:
     return found
 
 
-def status(app: Any, key: str) -> KeyStatus | None:
-    """Who holds ``key`` and how far along it is (None if nothing is known about it)."""
-    return reader(app).read(key)
+def status(app: Any, key: str, slot: int = 0) -> KeyStatus | None:
+    """Who holds ``key`` (its slot 0, or ``slot``) and how far along it is (None if nothing is
+    known about it)."""
+    return reader(app).read(key, slot)
+
+
+def status_all(app: Any, key: str, slots: int | None = None) -> list[KeyStatus]:
+    """Every held slot of ``key`` (see :meth:`StatusReader.read_all`); empty if none is held."""
+    return reader(app).read_all(key, slots)
 
 
 def held(app: Any, prefix: str = "") -> list[KeyStatus]:
-    """The held keys of ``app``'s namespace whose key starts with ``prefix``."""
+    """The held runs of ``app``'s namespace whose key starts with ``prefix``, one per held slot."""
     return reader(app).held(prefix)
 
 
-def watch(app: Any, key: str, timeout: float | None = None) -> Iterator[WatchEvent]:
-    """Follow the run on ``key`` live until it ends (see :meth:`StatusReader.watch`)."""
-    return reader(app).watch(key, timeout=timeout)
+def watch(app: Any, key: str, timeout: float | None = None, slot: int = 0) -> Iterator[WatchEvent]:
+    """Follow the run on ``key`` (its slot 0, or ``slot``) live until it ends (see
+    :meth:`StatusReader.watch`)."""
+    return reader(app).watch(key, timeout=timeout, slot=slot)
 
 
-def force_release(app: Any, key: str, by: str, expected_holder: str = "") -> str | None:
-    """Free ``key`` whoever holds it, recording ``by``; returns the released task id or None."""
-    return reader(app).force_release(key, by, expected_holder)
+def force_release(app: Any, key: str, by: str, expected_holder: str = "", slot: int = 0) -> str | None:
+    """Free ``key`` (its slot 0, or ``slot``) whoever holds it, recording ``by``; returns the
+    released task id or None."""
+    return reader(app).force_release(key, by, expected_holder, slot)

@@ -326,3 +326,45 @@ def test_configuration_error_is_exit_2(sfapp: ModuleType, redis_server: RedisSer
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "is not a Redis URL" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+# -- max_concurrency > 1: slots ------------------------------------------------------------
+
+
+def test_watch_and_release_help_name_the_slot_options(redis_server: RedisServer, sfapp: ModuleType) -> None:
+    top = run_cli(redis_server, "--help")
+    assert top.returncode == 0 and re.search(r"6\s+several\s+slots", top.stdout), top.stdout
+    for command in ("watch", "release"):
+        shown = run_cli(redis_server, command, "--help")
+        assert shown.returncode == 0, shown.stderr
+        assert "--slot N" in shown.stdout and "--holder TASK_ID" in shown.stdout
+        assert re.search(r"exit\s+6", shown.stdout), shown.stdout
+
+
+def test_a_key_held_only_on_slot_1_is_shown_held(sfapp: ModuleType, redis_server: RedisServer) -> None:
+    """Slot 0 of a max_concurrency=2 key is free (its run ended) while slot 1 is held: show, ls,
+    watch and release see the slot-1 run instead of reporting the key free."""
+    from celery_singleflight import Holder
+
+    store = sfapp.limited_two.store
+    key = 'lim:"cli-slot1"'
+    first, second = "a" * 32, "b" * 32
+    store.acquire(key, first, 30, Holder("run-first", "w@h", "sfapp.limited_two"), slots=2)
+    got = store.acquire(key, second, 30, Holder("run-second", "w@h", "sfapp.limited_two"), slots=2)
+    assert got.slot == 1  # type: ignore[union-attr]
+    assert store.release(key, first)
+
+    shown = run_cli(redis_server, "show", key)
+    assert shown.returncode == 0, shown.stderr
+    fields = dict(re.findall(r"^([a-z /]+):\s+(.*)$", shown.stdout, re.MULTILINE))
+    assert fields["slot"] == "1" and fields["held"] == "yes" and fields["task id"] == "run-second"
+    listed = run_cli(redis_server, "ls", "--json")
+    rows = [(i["key"], i["slot"], i["task_id"]) for i in json.loads(listed.stdout)]
+    assert rows == [(key, 1, "run-second")]
+    timed_out = run_cli(redis_server, "watch", key, "--timeout", "0.5")
+    assert timed_out.returncode == 5 and "(slot 1)" in timed_out.stderr
+    released = run_cli(redis_server, "release", key, "--force", "--json")
+    assert released.returncode == 0, released.stderr
+    answer = json.loads(released.stdout)
+    assert (answer["released"], answer["task_id"], answer["slot"]) == (True, "run-second", 1)
+    assert store.holder_record(key, 1) == {}
