@@ -3,7 +3,10 @@
 Use them as a pytest plugin (``pytest_plugins = ("celery_singleflight.testing",)``) for the
 ``singleflight_redis`` fixture, or directly (``RedisServer``, ``WorkerProcess``). Both start a
 process on a free loopback port and stop it by the PID they started, never by name, so they
-live happily beside pytest-celery's fixtures and beside any Redis already running.
+live happily beside pytest-celery's fixtures and beside any Redis already running. On Linux the
+processes they start also get SIGTERM when the process that started them dies, so a test run
+killed from outside leaves nothing behind. (That signal follows the starting *thread*: start
+them from a thread that lives as long as they should.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,21 @@ from typing import Any
 import redis
 
 __all__ = ["RedisServer", "WorkerProcess", "free_port", "redis_server_binary", "singleflight_redis"]
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the process that started it dies (Linux).
+
+    A test run killed from outside (a CI timeout, Ctrl-C twice) runs no teardown; without this
+    its workers and private redis-servers would live on, holding ports and CPU.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
 def free_port() -> int:
@@ -75,7 +93,8 @@ class RedisServer:
             "--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
             *self.extra,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=_stop_with_parent)
         deadline = time.monotonic() + timeout
         probe = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
         while True:
@@ -161,7 +180,7 @@ class WorkerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_stop_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
