@@ -36,9 +36,15 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._tick = float("inf")
         self._flush_at = float("inf")
+        #: when the thread will next look at the leases (monotonic); +inf while it is busy, so
+        #: that a lease added meanwhile is always seen
+        self._planned = float("inf")
         self.rounds = 0  # renewal round trips made; read by tests and benchmarks
 
     def add(self, lease: Lease) -> None:
+        """Renew ``lease`` from now on. The thread is woken only if its next look at the leases
+        comes later than this lease's first renewal is due: a stream of short runs does not cost
+        a thread wake-up each."""
         with self._lock:
             self._leases.add(lease)
             if self._thread is None or not self._thread.is_alive():
@@ -46,7 +52,7 @@ class Heartbeat:
                     target=self._run, name="singleflight-heartbeat", daemon=True
                 )
                 self._thread.start()
-            if lease.interval < self._tick:
+            if mod_time.monotonic() + lease.interval < self._planned:
                 self._wake.set()
 
     def schedule_flush(self, when: float) -> None:
@@ -72,24 +78,36 @@ class Heartbeat:
             thread.join(timeout=5)
 
     def _run(self) -> None:
-        next_renew = float("inf")
+        inf = float("inf")
+        next_renew = inf
         while not self._stop.is_set():
-            wait = min(next_renew, self._flush_at) - mod_time.monotonic()
+            with self._lock:
+                self._planned = min(next_renew, self._flush_at)
+            wait = self._planned - mod_time.monotonic()
             if wait > 0:
-                self._wake.wait(None if wait == float("inf") else wait)
+                self._wake.wait(None if wait == inf else wait)
+            with self._lock:
+                self._planned = inf
             self._wake.clear()
             if self._stop.is_set():
                 return
             leases = self.held()
-            tick = min((lease.interval for lease in leases), default=float("inf"))
-            if tick < self._tick or next_renew == float("inf"):
-                # a lease with a shorter interval arrived (or the first one): re-plan the tick
-                next_renew = mod_time.monotonic() + tick
-            self._tick = tick
-            if mod_time.monotonic() >= self._flush_at:
+            now = mod_time.monotonic()
+            if leases:
+                tick = min(lease.interval for lease in leases)
+                if next_renew == inf or now + tick < next_renew:
+                    # the first lease, or one with a shorter interval: re-plan the tick
+                    next_renew = now + tick
+                self._tick = tick
+            elif next_renew == inf and self._tick != inf:
+                # no lease now, but there were: keep ticking (an empty tick costs no round trip),
+                # so a new lease is covered by the planned look and needs no wake-up
+                next_renew = now + self._tick
+            if now >= self._flush_at:
                 self._flush_due(leases)
             if mod_time.monotonic() >= next_renew:
-                next_renew = mod_time.monotonic() + self.renew_once(leases)
+                wait_next = self.renew_once(leases)
+                next_renew = mod_time.monotonic() + (self._tick if wait_next == inf else wait_next)
 
     def _flush_due(self, leases: list[Lease]) -> None:
         """Write the pending progress of every lease whose turn has come."""

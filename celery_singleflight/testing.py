@@ -5,8 +5,8 @@ Use them as a pytest plugin (``pytest_plugins = ("celery_singleflight.testing",)
 process on a free loopback port and stop it by the PID they started, never by name, so they
 live happily beside pytest-celery's fixtures and beside any Redis already running. On Linux the
 processes they start also get SIGTERM when the process that started them dies, so a test run
-killed from outside leaves nothing behind. (That signal follows the starting *thread*: start
-them from a thread that lives as long as they should.)
+killed from outside leaves nothing behind (only when started from the main thread: the kernel
+ties that signal to the starting thread).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,20 @@ def _stop_with_parent() -> None:
     A test run killed from outside (a CI timeout, Ctrl-C twice) runs no teardown; without this
     its workers and private redis-servers would live on, holding ports and CPU.
     """
-    if sys.platform != "linux":
-        return
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _child_setup() -> Callable[[], None] | None:
+    """``preexec_fn`` for a started process: :func:`_stop_with_parent` on Linux when started from
+    the main thread. The kernel sends that signal when the starting *thread* ends, so a process
+    started from a short-lived thread (workers booted in parallel) would be stopped at once."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    return _stop_with_parent
 
 
 def free_port() -> int:
@@ -94,7 +102,7 @@ class RedisServer:
             *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_stop_with_parent)
+                                     preexec_fn=_child_setup())
         deadline = time.monotonic() + timeout
         probe = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
         while True:
@@ -180,7 +188,7 @@ class WorkerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
-            start_new_session=True, preexec_fn=_stop_with_parent,
+            start_new_session=True, preexec_fn=_child_setup(),
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
