@@ -4,6 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: demo test bench clean
 
@@ -21,8 +22,16 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
-bench: $(STAMP)
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+# every benchmark, each comparing against the alternatives in the same run (about 8 minutes)
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_lease.py
+	$(PY) benchmarks/bench_progress.py
+	$(PY) benchmarks/bench_queue.py
+	$(PY) benchmarks/bench_throughput.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -2,10 +2,14 @@
 
 The budget (PRODUCT.md): end-to-end Celery throughput with a lease per task >= 0.95 x the same
 tasks without it, in paired runs. This benchmark runs the no-op task of
-``benchmarks/throughputapp.py`` in four variants, same body, same shape ``(i, round_id, target)``,
+``benchmarks/throughputapp.py`` in five variants, same body, same shape ``(i, round_id, target)``,
 ``ignore_result=True``, Redis broker:
 
 1. plain Celery ``Task`` (the baseline);
+1b. plain ``Task`` plus two PINGs to the lease Redis around the body: the floor of any design
+   that takes and releases a lock in the worker with two round trips (the budget's
+   "2 round trips per acquire + release"), so the report shows how much of the gap is the
+   machine's round-trip time and how much is the library;
 2. ``SingleFlightTask`` with a unique key per task (``lock_key="tp:<round_id>:<i>"``): never
    contended, so it measures the lease's own cost in the worker (acquire, heartbeat
    registration, release);
@@ -80,9 +84,10 @@ HERE = Path(__file__).resolve().parent
 CONCURRENCY = 2
 BUDGET_RATIO = 0.95
 WARMUP_TASKS = 50  # per variant, in the unmeasured warm-up worker
-VARIANTS = ("plain", "singleflight", "once", "singleton")
+VARIANTS = ("plain", "two_pings", "singleflight", "once", "singleton")
 LABELS = {
     "plain": "plain Celery `Task` (baseline)",
+    "two_pings": "plain `Task` + 2 PINGs (floor of any 2-round-trip lease)",
     "singleflight": "`SingleFlightTask`, unique key per task",
     "once": "`celery_once.QueueOnce` (lock at dispatch)",
     "singleton": "`celery_singleton.Singleton` (lock at dispatch)",

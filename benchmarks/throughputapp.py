@@ -77,7 +77,8 @@ UNAVAILABLE: dict[str, str] = {}
 #: variant -> task
 TASKS: dict[str, Any] = {}
 #: variant -> whether it locks at dispatch (in the producer) rather than in the worker
-LOCKS_AT_DISPATCH = {"plain": False, "singleflight": False, "once": True, "singleton": True}
+LOCKS_AT_DISPATCH = {"plain": False, "two_pings": False, "singleflight": False, "once": True,
+                     "singleton": True}
 
 
 def count_key(round_id: str) -> str:
@@ -115,8 +116,21 @@ def singleflight(i: int, round_id: str, target: int) -> None:
     _body(round_id, target)
 
 
+locks = redis.Redis.from_url(LOCKS)
+
+
+@app.task(name="throughputapp.two_pings", ignore_result=True)
+def two_pings(i: int, round_id: str, target: int) -> None:
+    """The floor of any design with two round trips per task (the lease's acquire and release):
+    two PINGs to the lease Redis, nothing else."""
+    locks.ping()
+    _body(round_id, target)
+    locks.ping()
+
+
 TASKS["plain"] = plain
 TASKS["singleflight"] = singleflight
+TASKS["two_pings"] = two_pings
 
 try:
     from celery_once import QueueOnce
