@@ -23,7 +23,12 @@ from .errors import LeaseLost
 from .keys import KeyLayout
 from .progress import ProgressReporter, ProgressUpdate
 
-__all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "Parked", "Released", "process_alive"]
+__all__ = ["OWN_COPY", "Acquired", "Held", "Holder", "Lease", "LeaseStore", "Parked", "Released",
+           "process_alive"]
+
+#: handoff token prefix of the copy a turned-away redelivery parks behind its own run (the
+#: scripts never hand it a slot while its task id holds another one; see scripts._HAND_OFF)
+OWN_COPY = "own-"
 
 log_acquire = logging.getLogger("celery_singleflight.acquire")
 log_release = logging.getLogger("celery_singleflight.release")
@@ -319,11 +324,14 @@ class LeaseStore:
         The key is also entered in the namespace's waiting index, due when the holder's lease
         would run out, so that a queue whose holder died is resumed by a worker's sweeper.
 
-        ``own``: the broker delivered the holder's own run again. Its message waits at the front
+        ``own``: the broker delivered the holder's own run again (``handoff`` starts with
+        :data:`OWN_COPY`, by which the scripts recognise the copy). Its message waits at the front
         and is dropped when that run releases; it runs only if the run's lease ends without a
         release (its worker died), because with the Redis broker acknowledging the redelivery
         also acknowledged the first delivery's message.
         """
+        if own and not handoff.startswith(OWN_COPY):
+            raise ValueError(f"the handoff token of an own copy must start with {OWN_COPY!r}")
         reply = self._park(
             keys=self._queue_keys(key, slots)[:-1],
             args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots,
@@ -380,7 +388,8 @@ class LeaseStore:
 
     def release(
         self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0, answer_joined: bool = True,
-        fence: int | None = None, slot: int = 0, clear_marker: bool = True,
+        fence: int | None = None, slot: int = 0, clear_marker: bool = True, task_id: str = "",
+        slots: int = 1,
     ) -> Released:
         """One round trip: free the key if the lease is ours, record the run's outcome, hand the
         key to the first parked run and take the runs joined to this one (see :class:`Released`).
@@ -388,13 +397,15 @@ class LeaseStore:
         ``answer_joined=False`` (a run that is retried) leaves joined runs waiting for the next run.
         ``clear_marker=False`` (tasks without ``dedup_enqueue``, ``hold()``) skips the enqueue-time
         dedup marker: only a task that dedups at enqueue sets one for its own task id.
+        ``task_id``: the run's task id, so that a copy its redelivery parked is dropped even when
+        the lease was already gone (the run ended; only a copy already handed the key stays).
         """
         retention = _ms(self.status_retention) if self.status_retention > 0 else 0
         reply = self._release(
             keys=[*self._run_keys(key, slot), self.queue_key(key), self.parked_key(key), self.joined_key(key),
                   self.marker_key(key)],
             args=[token, outcome, retention, self.history_length, _ms(ttl), "1" if answer_joined else "0",
-                  "" if fence is None else fence, "1" if clear_marker else "0"],
+                  "" if fence is None else fence, "1" if clear_marker else "0", task_id, slots],
         )
         if int(reply[0]) != 1:
             return Released(False)

@@ -26,13 +26,30 @@ __all__ = [
 # reserved for it (its handoff token) until it starts and adopts it, or the reservation expires;
 # its entry stays in the queue until then, so a crash before the message is sent loses nothing.
 _HAND_OFF = """
-local function hand_off(lease, queue, parked, ttl_ms, now_ms)
+-- ``slots``: how many slot leases of the key are KEYS[1..slots] (0: not known here). A copy that a
+-- turned-away redelivery parked (token 'own-...') is handed a slot only when no other slot is
+-- held by its own task id, which needs every slot: where they are not known, it waits for the
+-- sweeper (RESUME).
+local function runs_elsewhere(id, lease, slots)
+  if slots == 0 then
+    return true
+  end
+  for i = 1, slots do
+    if KEYS[i] ~= lease and redis.call('HGET', KEYS[i], 'task_id') == id then
+      return true
+    end
+  end
+  return false
+end
+local function hand_off(lease, queue, parked, ttl_ms, now_ms, slots)
   -- the first parked run not already holding a reservation on another slot of the key
   for _, entry in ipairs(redis.call('LRANGE', queue, 0, 99)) do
     local sep = string.find(entry, '|', 1, true)
     local id, token = string.sub(entry, 1, sep - 1), string.sub(entry, sep + 1)
     local reserved_on = redis.call('HGET', parked, 'r:' .. id)
-    if not (reserved_on and redis.call('HGET', reserved_on, 'token') == token) then
+    local own_copy = string.sub(token, 1, 4) == 'own-'
+    if not (reserved_on and redis.call('HGET', reserved_on, 'token') == token)
+        and not (own_copy and runs_elsewhere(id, lease, slots)) then
       local msg = redis.call('HGET', parked, id)
       if msg then
         redis.call('DEL', lease)
@@ -109,7 +126,7 @@ if not slot then
     return {0, holder, left}
   end
   if ARGV[10] == '' or redis.call('LINDEX', queue, 0) ~= ARGV[10] then
-    local msg = hand_off(KEYS[slot], queue, parked, ARGV[2], string.format('%.0f', now_ms))
+    local msg = hand_off(KEYS[slot], queue, parked, ARGV[2], string.format('%.0f', now_ms), n)
     if msg then
       return {2, redis.call('HGET', KEYS[slot], 'task_id'), redis.call('PTTL', KEYS[slot]), msg}
     end
@@ -251,7 +268,7 @@ if not slot then
   return {1, soonest_ttl(n)}
 end
 local now_ms = clock_ms()
-local msg = hand_off(KEYS[slot], queue, parked, ARGV[1], string.format('%.0f', now_ms))
+local msg = hand_off(KEYS[slot], queue, parked, ARGV[1], string.format('%.0f', now_ms), n)
 local out = {2, tonumber(ARGV[1]), msg or ''}
 if slot == 1 then -- joined runs only exist with one slot: their holder is gone
   for _, entry in ipairs(redis.call('LRANGE', joined, 0, -1)) do
@@ -336,10 +353,31 @@ RELEASE = _STATUS_FOR_RUN + _HAND_OFF + """
 -- ARGV[6] - '1' to hand the joined runs to the caller (who gives them this run's result)
 -- ARGV[7] - the run's fence (to record its end even when its lease is already gone)
 -- ARGV[8] - '1' if the run's task dedups at enqueue (its marker is cleared)
+-- ARGV[9] - the run's task id (to drop the copy a redelivery parked, when the lease is gone)
+-- ARGV[10] - the number of slots of the key (only KEYS[1], this run's slot, is declared here)
 -- return {0} if the lease was not ours, else {1, message of the parked run now handed the key
 --        or '', joined run messages...} (the caller sends the message and answers the joined runs)
+local function drop_own_copy(id)
+  -- a redelivery of this run parked a copy behind it (PARK, own): the run ended, so the copy
+  -- must not run, unless the sweeper already handed it the key (its message is on its way)
+  local reserved_on = redis.call('HGET', KEYS[5], 'r:' .. id)
+  if reserved_on and redis.call('HGET', reserved_on, 'task_id') == id then
+    return
+  end
+  local prefix = id .. '|'
+  for _, entry in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+    if string.sub(entry, 1, #prefix) == prefix then
+      redis.call('LREM', KEYS[4], 1, entry)
+    end
+  end
+  redis.call('HDEL', KEYS[5], id, 'r:' .. id)
+end
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
-  -- the lease expired or was taken: still record how this run ended on its own status
+  -- the lease expired or was taken: drop this run's redelivery copy, and still record how this
+  -- run ended on its own status
+  if ARGV[9] ~= '' and redis.call('LLEN', KEYS[4]) > 0 and redis.call('HGET', KEYS[5], ARGV[9]) then
+    drop_own_copy(ARGV[9])
+  end
   if redis.call('HGET', KEYS[2], 'fence') == ARGV[7] and not redis.call('HGET', KEYS[2], 'ended') then
     local now = now_ms()
     redis.call('HSET', KEYS[2], 'state', 'lost', 'outcome', 'lost', 'ended', now, 'updated', now)
@@ -354,14 +392,7 @@ local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
 redis.call('DEL', KEYS[1])
 local waiting = redis.call('LLEN', KEYS[4]) > 0
 if waiting and holder[1] and redis.call('HGET', KEYS[5], holder[1]) then
-  -- a redelivery of this run parked behind it (PARK, own): the run ended, so it must not run
-  local prefix = holder[1] .. '|'
-  for _, entry in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
-    if string.sub(entry, 1, #prefix) == prefix then
-      redis.call('LREM', KEYS[4], 1, entry)
-    end
-  end
-  redis.call('HDEL', KEYS[5], holder[1], 'r:' .. holder[1])
+  drop_own_copy(holder[1])
 end
 if ARGV[8] == '1' and holder[1] and redis.call('GET', KEYS[7]) == holder[1] then
   redis.call('DEL', KEYS[7]) -- this run ended: the next enqueue sends a new message
@@ -378,7 +409,8 @@ if retention > 0 then
     redis.call('PEXPIRE', KEYS[3], retention)
   end
 end
-local out = {1, waiting and hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now) or ''}
+local out = {1, waiting and hand_off(KEYS[1], KEYS[4], KEYS[5], ARGV[5], now,
+  ARGV[10] == '1' and 1 or 0) or ''}
 if ARGV[6] == '1' then
   local joined = redis.call('LRANGE', KEYS[6], 0, -1)
   if #joined > 0 then

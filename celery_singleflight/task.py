@@ -35,7 +35,7 @@ from .errors import LeaseLost, LockHeld, NotInsideRun, QueueFull, RedisUnavailab
 from .heartbeat import heartbeat_for
 from .joining import answer_joined
 from .keys import KeyFunction, KeyLayout, canonical, compile_key
-from .lease import Held, Holder, Lease, LeaseStore, Parked
+from .lease import OWN_COPY, Held, Holder, Lease, LeaseStore, Parked
 from .progress import ProgressReporter, ProgressUpdate, make_update
 from .queueing import RESUME_GRACE, send_parked
 from .settings import Options, resolve_options
@@ -423,7 +423,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         try:
             ours = lease.store.release(lease.key, lease.token, reason, lease.ttl,
                                        answer_joined=reason != "retried", fence=lease.fence,
-                                       slot=lease.slot, clear_marker=self.options.dedup_enqueue)
+                                       slot=lease.slot, clear_marker=self.options.dedup_enqueue,
+                                       task_id=lease.task_id, slots=self.options.max_concurrency)
         except redis.RedisError as exc:
             log_release.warning(
                 "could not release key=%r task=%s[%s]; it frees when its lease expires in %.1fs: %s",
@@ -534,7 +535,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         all that is left of the task: it is sent when the lease ends without a release (the
         queue sweeper), and dropped by the release of a run that ended.
         """
-        handoff = uuid.uuid4().hex
+        handoff = f"{OWN_COPY}{uuid.uuid4().hex}"  # the scripts recognise an own copy by this prefix
         message = self._sf_message(args, kwargs, **{HEADER_HANDOFF: handoff})
         try:
             parked = self.store.park(key, self.request.id, handoff, message, None, RESUME_GRACE,

@@ -60,7 +60,8 @@ def release_for_ended_child(
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
         released = store.release(key, record["token"], reason, task.options.ttl, slot=slot,
-                                 clear_marker=task.options.dedup_enqueue)
+                                 clear_marker=task.options.dedup_enqueue, task_id=task_id,
+                                 slots=task.options.max_concurrency)
         if released.handoff is not None:
             from .queueing import send_parked
 

@@ -71,11 +71,11 @@ def test_a_redelivery_parked_behind_its_own_run_is_dropped_when_that_run_release
     token = _token()
     store.acquire("k", token, 10, Holder("run-a"))
     assert store.park("k", "run-b", "hb", "message-b", None, 0.5) is not None
-    parked = store.park("k", "run-a", "ha", "copy-of-a", None, 0.5, own=True)
+    parked = store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, own=True)
     assert parked is not None and not isinstance(parked, int) and parked.position == 1
     # a third delivery keeps the first copy (its handoff token and message stay as they were)
-    store.park("k", "run-a", "ha2", "another-copy", None, 0.5, own=True)
-    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-a|ha", b"run-b|hb"]
+    store.park("k", "run-a", "own-a2", "another-copy", None, 0.5, own=True)
+    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-a|own-a", b"run-b|hb"]
     released = store.release("k", token)
     assert released.ours and released.handoff == "message-b"
     assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-b|hb"]
@@ -88,14 +88,47 @@ def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: L
     even with a bounded queue that is full."""
     store.acquire("k", _token(), 0.2, Holder("run-a"))
     assert store.park("k", "run-b", "hb", "message-b", 1, 0.5) is not None
-    assert store.park("k", "run-a", "ha", "copy-of-a", 1, 0.5, own=True) is not None
+    assert store.park("k", "run-a", "own-a", "copy-of-a", 1, 0.5, own=True) is not None
     time.sleep(0.3)
     resumed = store.resume("k", 10, 0.5)
     assert resumed is not None and resumed.handoff == "copy-of-a"
-    assert store.holder_record("k")["task_id"] == "run-a" and store.holder_record("k")["token"] == "ha"
-    adopted = store.acquire("k", _token(), 10, Holder("run-a"), handoff="ha")
+    assert store.holder_record("k")["task_id"] == "run-a" and store.holder_record("k")["token"] == "own-a"
+    adopted = store.acquire("k", _token(), 10, Holder("run-a"), handoff="own-a")
     assert isinstance(adopted, Acquired)
     assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-b|hb"]
+
+
+def test_a_redelivery_copy_is_dropped_by_its_runs_late_release(store: LeaseStore) -> None:
+    """Given a run whose lease expired (frozen past its TTL) and whose redelivery parked a copy,
+    when the run ends and releases late (not ours any more), then the copy is dropped: the run
+    ended, so it is not repeated."""
+    token = _token()
+    store.acquire("k", token, 0.2, Holder("run-a"))
+    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, own=True)
+    time.sleep(0.3)
+    assert store.release("k", token, task_id="run-a").ours is False
+    assert store.queued("k") == 0 and not store.client.exists(store.parked_key("k"))
+
+
+def test_a_redelivery_copy_never_gets_a_second_slot_of_its_running_task(store: LeaseStore) -> None:
+    """With max_concurrency=2: run-a holds slot 0 and its redelivery parked a copy; when run-b
+    releases slot 1, the copy is not handed slot 1 (run-a still runs), an ordinary parked run is;
+    once run-a's lease ends without a release, the sweeper hands the copy the key."""
+    a = _token()
+    store.acquire("k", a, 0.5, Holder("run-a"), slots=2)
+    b = _token()
+    assert isinstance(store.acquire("k", b, 10, Holder("run-b"), slots=2), Acquired)
+    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, slots=2, own=True)
+    store.park("k", "run-c", "hc", "message-c", None, 0.5, slots=2)
+    released = store.release("k", b, slot=1, task_id="run-b", slots=2)
+    assert released.ours and released.handoff == "message-c"
+    assert store.holder_record("k", 1)["task_id"] == "run-c"
+    assert store.resume("k", 10, 0.5, slots=2) is None  # run-a still holds slot 0: the copy waits
+    time.sleep(0.6)
+    resumed = store.resume("k", 10, 0.5, slots=2)
+    assert resumed is not None and resumed.handoff == "copy-of-a"
+    assert store.holder_record("k", 0)["task_id"] == "run-a"
+    assert store.holder_record("k", 0)["token"] == "own-a"
 
 
 def test_a_task_id_running_on_one_slot_cannot_take_another(store: LeaseStore) -> None:
