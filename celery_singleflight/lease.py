@@ -23,12 +23,7 @@ from .errors import LeaseLost
 from .keys import KeyLayout
 from .progress import ProgressReporter, ProgressUpdate
 
-__all__ = ["OWN_COPY", "Acquired", "Held", "Holder", "Lease", "LeaseStore", "Parked", "Released",
-           "process_alive"]
-
-#: handoff token prefix of the copy a turned-away redelivery parks behind its own run (the
-#: scripts never hand it a slot while its task id holds another one; see scripts._HAND_OFF)
-OWN_COPY = "own-"
+__all__ = ["Acquired", "Held", "Holder", "Lease", "LeaseStore", "Parked", "Released", "process_alive"]
 
 log_acquire = logging.getLogger("celery_singleflight.acquire")
 log_release = logging.getLogger("celery_singleflight.release")
@@ -317,25 +312,22 @@ class LeaseStore:
         return f"{self.layout.namespace}:waiting"
 
     def park(self, key: str, task_id: str, handoff: str, message: str, max_queued: int | None,
-             grace: float, slots: int = 1, own: bool = False) -> Parked | int | None:
+             grace: float, slots: int = 1) -> Parked | int | None:
         """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is full,
         or None if the key is free now (acquire again).
 
         The key is also entered in the namespace's waiting index, due when the holder's lease
         would run out, so that a queue whose holder died is resumed by a worker's sweeper.
 
-        ``own``: the broker delivered the holder's own run again (``handoff`` starts with
-        :data:`OWN_COPY`, by which the scripts recognise the copy). Its message waits at the front
-        and is dropped when that run releases; it runs only if the run's lease ends without a
-        release (its worker died), because with the Redis broker acknowledging the redelivery
-        also acknowledged the first delivery's message.
+        A ``handoff`` token starting with :data:`~celery_singleflight.scripts.OWN_COPY` parks an
+        *own copy*: the broker delivered the holder's own run again. Its message waits at the
+        front, beyond ``max_queued``, and is dropped when that run releases; it runs only if the
+        run's lease ends without a release (its worker died), because with the Redis broker
+        acknowledging the redelivery also acknowledged the first delivery's message.
         """
-        if own and not handoff.startswith(OWN_COPY):
-            raise ValueError(f"the handoff token of an own copy must start with {OWN_COPY!r}")
         reply = self._park(
             keys=self._queue_keys(key, slots)[:-1],
-            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots,
-                  "1" if own else "0"],
+            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
         )
         code = int(reply[0])
         if code == -1:

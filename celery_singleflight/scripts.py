@@ -22,15 +22,23 @@ __all__ = [
     "REVISE_OUTCOME",
 ]
 
+#: handoff token prefix of the copy a turned-away redelivery parks behind its own run
+OWN_COPY = "own-"
+
 # Shared by ACQUIRE, RELEASE and RESUME: hand the key to the first parked run. The lease is
 # reserved for it (its handoff token) until it starts and adopts it, or the reservation expires;
 # its entry stays in the queue until then, so a crash before the message is sent loses nothing.
 _HAND_OFF = """
--- ``slots``: how many slot leases of the key are KEYS[1..slots] (0: not known here). A copy that a
--- turned-away redelivery parked (token 'own-...') is handed a slot only when no other slot is
--- held by its own task id, which needs every slot: where they are not known, it waits for the
--- sweeper (RESUME).
-local function runs_elsewhere(id, lease, slots)
+-- a copy that a turned-away redelivery parked behind its own run has a handoff token starting
+-- with OWN_COPY (SingleFlightTask._sf_park_redelivery)
+local OWN_COPY = '""" + OWN_COPY + """'
+local function is_own_copy(token)
+  return string.sub(token, 1, #OWN_COPY) == OWN_COPY
+end
+-- ``slots``: how many slot leases of the key are KEYS[1..slots] (0: not known here). An own copy
+-- is handed a slot only when no other slot is held by its own task id, which needs every slot:
+-- where they are not known, it waits for the sweeper (RESUME).
+local function may_run_elsewhere(id, lease, slots)
   if slots == 0 then
     return true
   end
@@ -47,9 +55,8 @@ local function hand_off(lease, queue, parked, ttl_ms, now_ms, slots)
     local sep = string.find(entry, '|', 1, true)
     local id, token = string.sub(entry, 1, sep - 1), string.sub(entry, sep + 1)
     local reserved_on = redis.call('HGET', parked, 'r:' .. id)
-    local own_copy = string.sub(token, 1, 4) == 'own-'
     if not (reserved_on and redis.call('HGET', reserved_on, 'token') == token)
-        and not (own_copy and runs_elsewhere(id, lease, slots)) then
+        and not (is_own_copy(token) and may_run_elsewhere(id, lease, slots)) then
       local msg = redis.call('HGET', parked, id)
       if msg then
         redis.call('DEL', lease)
@@ -103,23 +110,21 @@ if ARGV[9] ~= '' then
   end
 end
 if not slot then
-  if n > 1 and ARGV[3] ~= '' then
-    -- this task id already runs on one of the slots (a redelivery): it must not take another
-    for i = 1, n do
-      if redis.call('HGET', KEYS[i], 'task_id') == ARGV[3] then
-        return {0, ARGV[3], redis.call('PTTL', KEYS[i])}
-      end
-    end
-  end
+  -- the first free slot, else the holder whose lease ends first; every slot is looked at, since
+  -- a task id already running on one of them (a redelivery) must not take another
   local holder, left = '', -1
   for i = 1, n do
-    if redis.call('EXISTS', KEYS[i]) == 0 then
-      slot = i
-      break
-    end
-    local pttl = redis.call('PTTL', KEYS[i])
-    if left < 0 or pttl < left then
-      holder, left = redis.call('HGET', KEYS[i], 'task_id') or '', pttl
+    local id = redis.call('HGET', KEYS[i], 'task_id')
+    if not id then
+      slot = slot or i
+    else
+      local pttl = redis.call('PTTL', KEYS[i])
+      if n > 1 and id == ARGV[3] and id ~= '' then
+        return {0, id, pttl}
+      end
+      if left < 0 or pttl < left then
+        holder, left = id, pttl
+      end
     end
   end
   if not slot then
@@ -183,14 +188,15 @@ PARK = _HAND_OFF + _FREE_SLOT + """
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - the most runs that may wait (-1: no limit)
 -- ARGV[4] - n, the number of slots
--- ARGV[5] - '1' for a turned-away redelivery of the holder's own run: it waits at the front,
---           beyond any limit, and only runs if that run's lease ends without a release (RELEASE
---           drops it); an entry already parked under its task id is kept as it is
+-- An own copy (its token starts with OWN_COPY: a turned-away redelivery of the holder's own run)
+-- waits at the front, beyond any limit, and only runs if that run's lease ends without a release
+-- (RELEASE drops it); an entry already parked under its task id is kept as it is.
 -- return {-1} if a slot is free (acquire again), {-2, length} if the queue is full,
 --        {position, ms until the first holder's lease runs out} once parked
 local n = tonumber(ARGV[4])
 local queue, parked = KEYS[n + 1], KEYS[n + 2]
-local own = ARGV[5] == '1'
+local sep = string.find(ARGV[1], '|', 1, true)
+local id, own = string.sub(ARGV[1], 1, sep - 1), is_own_copy(string.sub(ARGV[1], sep + 1))
 if free_slot(n) then
   return {-1}
 end
@@ -198,7 +204,6 @@ local length = redis.call('LLEN', queue)
 if not own and tonumber(ARGV[3]) >= 0 and length >= tonumber(ARGV[3]) then
   return {-2, length}
 end
-local id = string.sub(ARGV[1], 1, string.find(ARGV[1], '|', 1, true) - 1)
 if not redis.call('HGET', parked, id) then
   if own then
     redis.call('LPUSH', queue, ARGV[1])
@@ -358,8 +363,11 @@ RELEASE = _STATUS_FOR_RUN + _HAND_OFF + """
 -- return {0} if the lease was not ours, else {1, message of the parked run now handed the key
 --        or '', joined run messages...} (the caller sends the message and answers the joined runs)
 local function drop_own_copy(id)
-  -- a redelivery of this run parked a copy behind it (PARK, own): the run ended, so the copy
-  -- must not run, unless the sweeper already handed it the key (its message is on its way)
+  -- a redelivery of this run parked a copy behind it (PARK, own copy): the run ended, so the
+  -- copy must not run, unless the sweeper already handed it the key (its message is on its way)
+  if not id or id == '' or not redis.call('HGET', KEYS[5], id) then
+    return
+  end
   local reserved_on = redis.call('HGET', KEYS[5], 'r:' .. id)
   if reserved_on and redis.call('HGET', reserved_on, 'task_id') == id then
     return
@@ -375,7 +383,7 @@ end
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   -- the lease expired or was taken: drop this run's redelivery copy, and still record how this
   -- run ended on its own status
-  if ARGV[9] ~= '' and redis.call('LLEN', KEYS[4]) > 0 and redis.call('HGET', KEYS[5], ARGV[9]) then
+  if redis.call('LLEN', KEYS[4]) > 0 then
     drop_own_copy(ARGV[9])
   end
   if redis.call('HGET', KEYS[2], 'fence') == ARGV[7] and not redis.call('HGET', KEYS[2], 'ended') then
@@ -391,7 +399,7 @@ end
 local holder = redis.call('HMGET', KEYS[1], unpack(LEASE_FIELDS))
 redis.call('DEL', KEYS[1])
 local waiting = redis.call('LLEN', KEYS[4]) > 0
-if waiting and holder[1] and redis.call('HGET', KEYS[5], holder[1]) then
+if waiting then
   drop_own_copy(holder[1])
 end
 if ARGV[8] == '1' and holder[1] and redis.call('GET', KEYS[7]) == holder[1] then

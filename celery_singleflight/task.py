@@ -35,9 +35,10 @@ from .errors import LeaseLost, LockHeld, NotInsideRun, QueueFull, RedisUnavailab
 from .heartbeat import heartbeat_for
 from .joining import answer_joined
 from .keys import KeyFunction, KeyLayout, canonical, compile_key
-from .lease import OWN_COPY, Held, Holder, Lease, LeaseStore, Parked
+from .lease import Held, Holder, Lease, LeaseStore, Parked
 from .progress import ProgressReporter, ProgressUpdate, make_update
 from .queueing import RESUME_GRACE, send_parked
+from .scripts import OWN_COPY
 from .settings import Options, resolve_options
 from .worker_setup import worker_sends_task_events
 
@@ -539,7 +540,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         message = self._sf_message(args, kwargs, **{HEADER_HANDOFF: handoff})
         try:
             parked = self.store.park(key, self.request.id, handoff, message, None, RESUME_GRACE,
-                                     self.options.max_concurrency, own=True)
+                                     self.options.max_concurrency)
         except redis.RedisError as exc:
             log_duplicate.warning("could not keep a copy of redelivered %s[%s] key=%r (if the first"
                                   " delivery's worker dies too, the task is not run again): %s",

@@ -400,7 +400,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     # a turned-away redelivery keeps a copy of itself in the queue; its run's release drops it
     tok8 = token()
     assert isinstance(store.acquire(key, tok8, 5, Holder("run-8")), Acquired)
-    assert isinstance(store.park(key, "run-8", "own-8", '{"copy": 8}', None, 0.5, own=True), Parked)
+    assert isinstance(store.park(key, "run-8", "own-8", '{"copy": 8}', None, 0.5), Parked)
     assert store.queued(key) == 1
     assert store.release(key, tok8).handoff is None and store.queued(key) == 0
 

@@ -71,10 +71,10 @@ def test_a_redelivery_parked_behind_its_own_run_is_dropped_when_that_run_release
     token = _token()
     store.acquire("k", token, 10, Holder("run-a"))
     assert store.park("k", "run-b", "hb", "message-b", None, 0.5) is not None
-    parked = store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, own=True)
+    parked = store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5)
     assert parked is not None and not isinstance(parked, int) and parked.position == 1
     # a third delivery keeps the first copy (its handoff token and message stay as they were)
-    store.park("k", "run-a", "own-a2", "another-copy", None, 0.5, own=True)
+    store.park("k", "run-a", "own-a2", "another-copy", None, 0.5)
     assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-a|own-a", b"run-b|hb"]
     released = store.release("k", token)
     assert released.ours and released.handoff == "message-b"
@@ -88,7 +88,7 @@ def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: L
     even with a bounded queue that is full."""
     store.acquire("k", _token(), 0.2, Holder("run-a"))
     assert store.park("k", "run-b", "hb", "message-b", 1, 0.5) is not None
-    assert store.park("k", "run-a", "own-a", "copy-of-a", 1, 0.5, own=True) is not None
+    assert store.park("k", "run-a", "own-a", "copy-of-a", 1, 0.5) is not None
     time.sleep(0.3)
     resumed = store.resume("k", 10, 0.5)
     assert resumed is not None and resumed.handoff == "copy-of-a"
@@ -104,7 +104,7 @@ def test_a_redelivery_copy_is_dropped_by_its_runs_late_release(store: LeaseStore
     ended, so it is not repeated."""
     token = _token()
     store.acquire("k", token, 0.2, Holder("run-a"))
-    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, own=True)
+    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5)
     time.sleep(0.3)
     assert store.release("k", token, task_id="run-a").ours is False
     assert store.queued("k") == 0 and not store.client.exists(store.parked_key("k"))
@@ -118,7 +118,7 @@ def test_a_redelivery_copy_never_gets_a_second_slot_of_its_running_task(store: L
     store.acquire("k", a, 0.5, Holder("run-a"), slots=2)
     b = _token()
     assert isinstance(store.acquire("k", b, 10, Holder("run-b"), slots=2), Acquired)
-    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, slots=2, own=True)
+    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, slots=2)
     store.park("k", "run-c", "hc", "message-c", None, 0.5, slots=2)
     released = store.release("k", b, slot=1, task_id="run-b", slots=2)
     assert released.ours and released.handoff == "message-c"
