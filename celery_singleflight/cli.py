@@ -53,18 +53,17 @@ import getpass
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
+from .connection import redacted_url
 from .errors import ConfigurationError
 from .settings import redis_url_for
 from .status import KeyStatus, StatusReader, WatchEvent, app_options, reader
@@ -244,19 +243,6 @@ def _where(key: str, slot: int | None) -> str:
     return f"key {key}" + (f" (slot {slot})" if slot else "")
 
 
-def redacted(url: str) -> str:
-    """``url`` without its password (in the user info or a ``password=`` query parameter)."""
-    try:
-        parts = urlsplit(url)
-        has_password = parts.password is not None
-    except ValueError:
-        return "<invalid url>"
-    if has_password:
-        host = parts.netloc.rpartition("@")[2]
-        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
-
-
 def released_by() -> str:
     """``user@host (celery singleflight release)``, recorded with a force-release."""
     try:
@@ -296,7 +282,7 @@ def _handled(ctx: click.Context) -> Iterator[None]:
         what = "unreachable" if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) else "error"
         url = ""
         with contextlib.suppress(Exception):
-            url = f" at {redacted(redis_url_for(_app(ctx).conf))}"
+            url = f" at {redacted_url(redis_url_for(_app(ctx).conf))}"
         detail = " ".join(str(exc).split()) or type(exc).__name__
         _exit(ctx, EXIT_REDIS, f"Error: Redis {what}{url}: {detail}")
     except KeyboardInterrupt:

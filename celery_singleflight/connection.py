@@ -7,13 +7,15 @@ would interleave replies with it, so the cache is keyed by PID as well.
 from __future__ import annotations
 
 import os
+import re
 import threading
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-__all__ = ["UNREACHABLE", "redis_client"]
+__all__ = ["UNREACHABLE", "redacted_url", "redis_client"]
 
 #: the Redis errors that mean "not reachable now" (fail_closed / fail_open apply). Any other
 #: RedisError (NOPERM from an ACL, WRONGTYPE, a script error) is a configuration or programming
@@ -43,6 +45,20 @@ def redis_client(url: str) -> redis.Redis:
                 )
                 _clients[key] = client
     return client
+
+
+def redacted_url(url: str) -> str:
+    """``url`` fit for a log line or an error: its password (in the user info or a ``password=``
+    query parameter) shown as ``***``."""
+    try:
+        parts = urlsplit(url)
+        has_password = parts.password is not None
+    except ValueError:
+        return "<invalid url>"
+    if has_password:
+        host = parts.netloc.rpartition("@")[2]
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
 
 
 def _forget_after_fork() -> None:

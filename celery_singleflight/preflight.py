@@ -48,7 +48,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import scripts
-from .connection import UNREACHABLE
+from .connection import UNREACHABLE, redacted_url
 
 __all__ = [
     "MAX_CLOCK_SKEW",
@@ -56,7 +56,6 @@ __all__ = [
     "clock_finding",
     "clock_skew",
     "preflight",
-    "redact_url",
     "run_at_worker_start",
     "visibility_findings",
     "warn_if_leases_evictable",
@@ -96,19 +95,6 @@ class Finding:
     @property
     def refusal(self) -> bool:
         return self.level >= logging.ERROR
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (in the user part or a ``password=`` query field) replaced by ``***``."""
-    found = re.match(r"(?is)([a-z][a-z0-9+.\-]*://)([^/?#]*)(.*)", url)
-    if found is None:
-        return url
-    scheme, authority, tail = found.groups()
-    if "@" in authority:
-        userinfo, _, hostport = authority.rpartition("@")
-        if ":" in userinfo:
-            authority = f"{userinfo.partition(':')[0]}:***@{hostport}"
-    return scheme + authority + re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", tail)
 
 
 def clock_skew(before: float, server: float, after: float) -> float:
@@ -151,7 +137,7 @@ class _LeaseRedis:
 
     @property
     def shown(self) -> str:
-        return redact_url(self.url)
+        return redacted_url(self.url)
 
 
 def _guarded_tasks(app: Any) -> list[Any]:
@@ -521,7 +507,7 @@ def visibility_findings(app: Any, worker_time_limit: float | None = None) -> lis
     if unlimited:
         parts.append(f"tasks {_names(unlimited)} have no time limit, so any of their runs longer than"
                      f" {_seconds(visibility)} is delivered again")
-    shown = redact_url(url) if url else transport
+    shown = redacted_url(url) if url else transport
     return [Finding(
         logging.WARNING,
         f"the broker ({shown}) delivers an unacknowledged message again after its visibility timeout"

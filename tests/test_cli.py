@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight.cli import duration, progress_text, redacted, when
+from celery_singleflight.cli import duration, progress_text, when
+from celery_singleflight.connection import redacted_url as redacted
 from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
 from .conftest import TESTS, wait_for, worker_env
@@ -83,6 +84,9 @@ def test_formatting_helpers() -> None:
     assert redacted("rediss://u:p@h/0?ssl_cert_reqs=none") == "rediss://u:***@h/0?ssl_cert_reqs=none"
     assert redacted("unix:///run/r.sock?db=2&password=zz") == "unix:///run/r.sock?db=2&password=***"
     assert redacted("redis://h:6379/2") == "redis://h:6379/2"
+    assert redacted("redis://u:p%40ss@h:1/0") == "redis://u:***@h:1/0"
+    assert redacted("redis://user@h:6379/0") == "redis://user@h:6379/0"
+    assert redacted("rediss://:pw@h/0?PASSWORD=x") == "rediss://:***@h/0?PASSWORD=***"
     assert re.match(r"^19\d\d-\d\d-\d\dT\d\d:\d\d:\d\d\.000[+-]\d\d:\d\d \(in 2\.0s\)$", when(0.0, now=-2.0))
 
 
