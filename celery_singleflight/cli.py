@@ -17,9 +17,8 @@ A key of a task with ``max_concurrency=N`` > 1 has one lease per slot (0 to N-1)
 every held slot as its own row (with a SLOT column when a row's slot is not 0), ``show`` prints
 every held slot of the key, and ``watch`` and ``release`` act on one run: the only one held, or
 the one chosen with ``--slot N`` or ``--holder TASK_ID``. With several slots held and neither
-option, they refuse (exit 6) and list the held slots rather than pick one. The slots of a key
-are found with SCAN; for a Redis user without ``+scan`` the slots that the app's tasks can have
-(their largest ``max_concurrency``) are read instead.
+option, they refuse (exit 6) and list the held slots rather than pick one. The slots read are
+those the app's tasks can have (their largest ``max_concurrency``), in one round trip.
 
 ``watch`` draws a live progress bar when stdout is a terminal and ``rich`` is installed
 (``pip install celery-singleflight[cli]``), and prints one line per event otherwise; with
@@ -315,23 +314,19 @@ def _not_held(
 def _known_slots(app: Any) -> int:
     """The most slots a key of ``app`` can have: the largest ``max_concurrency`` of its setting
     and of its registered singleflight tasks."""
-    from .task import SingleFlightTask
+    from .task import guarded_tasks
 
     most = app_options(app).max_concurrency
-    for task in list(app.tasks.values()):
-        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None:
-            with contextlib.suppress(ValueError):  # a task with a bad option: not ours to report
-                most = max(most, task.options.max_concurrency)
+    for task in guarded_tasks(app):
+        with contextlib.suppress(ValueError):  # a task with a bad option: not ours to report
+            most = max(most, task.options.max_concurrency)
     return most
 
 
 def _held_runs(ctx: click.Context, status_reader: StatusReader, key: str) -> list[KeyStatus]:
-    """Every held slot of KEY, by slot: found with SCAN or, for a Redis user refused SCAN (an ACL
-    without +scan), by reading the slots the app's tasks can have."""
-    try:
-        return status_reader.read_all(key)
-    except redis.exceptions.NoPermissionError:
-        return status_reader.read_all(key, slots=_known_slots(_app(ctx)))
+    """Every held slot of KEY, by slot, in one round trip: the slots the app's tasks can have are
+    read directly (no SCAN, whose cost grows with the whole keyspace, and no +scan needed)."""
+    return status_reader.read_all(key, slots=_known_slots(_app(ctx)))
 
 
 def _held_text(runs: Iterable[KeyStatus]) -> str:

@@ -140,21 +140,12 @@ class _LeaseRedis:
         return redacted_url(self.url)
 
 
-def _guarded_tasks(app: Any) -> list[Any]:
-    from .task import SingleFlightTask
-
-    return [
-        task for _, task in sorted(app.tasks.items())
-        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None
-    ]
-
-
 def _lease_redises(app: Any) -> list[_LeaseRedis]:
     """The distinct lease Redis clients of the app's guarded tasks (one per URL and process)."""
-    from .task import _options_store
+    from .task import _options_store, guarded_tasks
 
     found: dict[int, _LeaseRedis] = {}
-    for task in _guarded_tasks(app):
+    for task in guarded_tasks(app):
         opts = task.options
         client = _options_store(opts).client
         target = found.get(id(client))
@@ -478,6 +469,8 @@ def _broker(app: Any) -> tuple[str, str]:
 
 def visibility_findings(app: Any, worker_time_limit: float | None = None) -> list[Finding]:
     """One WARNING when guarded ``acks_late`` tasks can outlive the broker's visibility timeout."""
+    from .task import guarded_tasks
+
     transport, url = _broker(app)
     if transport not in _VISIBILITY_DEFAULTS:
         return []
@@ -486,7 +479,7 @@ def visibility_findings(app: Any, worker_time_limit: float | None = None) -> lis
     default_limit = worker_time_limit if worker_time_limit is not None else app.conf.get("task_time_limit")
     longer: list[str] = []
     unlimited: list[Any] = []
-    for task in _guarded_tasks(app):
+    for task in guarded_tasks(app):
         acks_late = getattr(task, "acks_late", None)
         if acks_late is None:
             acks_late = app.conf.get("task_acks_late")

@@ -101,19 +101,18 @@ _sweepers: list[QueueSweeper] = []
 
 
 def _queue_stores(app: Any) -> list[tuple[LeaseStore, float, int]]:
-    from .task import SingleFlightTask, _options_store
+    from .task import _options_store, guarded_tasks
 
     # every namespace, whatever its policies: besides queue and join, a turned-away redelivery
     # waits in the queue of its own run (SingleFlightTask._sf_park_redelivery)
     found: dict[tuple[int, str], tuple[LeaseStore, float, int]] = {}
-    for task in list(app.tasks.values()):
-        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None:
-            opts = task.options
-            store = _options_store(opts)
-            key = (id(store.client), opts.namespace)
-            _, ttl, slots = found.get(key, (store, 0.0, 1))
-            # a namespace's keys are checked with its largest slot count (extra slots are free)
-            found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, slots))
+    for task in guarded_tasks(app):
+        opts = task.options
+        store = _options_store(opts)
+        key = (id(store.client), opts.namespace)
+        _, ttl, slots = found.get(key, (store, 0.0, 1))
+        # a namespace's keys are checked with its largest slot count (extra slots are free)
+        found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, slots))
     return list(found.values())
 
 

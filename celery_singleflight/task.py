@@ -42,7 +42,7 @@ from .scripts import OWN_COPY
 from .settings import Options, resolve_options
 from .worker_setup import worker_sends_task_events
 
-__all__ = ["SingleFlightTask", "store_for"]
+__all__ = ["SingleFlightTask", "guarded_tasks", "store_for"]
 
 log_acquire = logging.getLogger("celery_singleflight.acquire")
 log_release = logging.getLogger("celery_singleflight.release")
@@ -77,6 +77,14 @@ def store_for(
 
 def _options_store(opts: Options) -> LeaseStore:
     return store_for(opts.redis_url, opts.namespace, opts.status_retention, opts.history_length)
+
+
+def guarded_tasks(app: Any) -> list[SingleFlightTask]:
+    """The app's registered ``SingleFlightTask`` tasks (not intermediate base classes), by name."""
+    return [
+        task for _, task in sorted(app.tasks.items())
+        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None
+    ]
 
 
 def _run_signature(cls: type) -> inspect.Signature | None:

@@ -37,13 +37,9 @@ def check_worker_app(app: Any) -> None:
     from celery.backends.base import DisabledBackend
 
     from .errors import ConfigurationError
-    from .task import SingleFlightTask
+    from .task import guarded_tasks
 
-    joins = sorted(
-        name for name, task in list(app.tasks.items())
-        if isinstance(task, SingleFlightTask) and type(task)._sf_render is not None
-        and task.options.on_duplicate == "join"
-    )
+    joins = [task.name for task in guarded_tasks(app) if task.options.on_duplicate == "join"]
     if joins and isinstance(app.backend, DisabledBackend):
         raise ConfigurationError(
             f"on_duplicate='join' hands the holder's result to its duplicates, so tasks {', '.join(joins)}"

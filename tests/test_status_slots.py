@@ -251,12 +251,12 @@ def test_slots_stay_in_their_namespace(
     client.close()
 
 
-def test_without_scan_read_all_needs_the_slot_count_and_the_cli_falls_back(
+def test_without_scan_read_all_needs_the_slot_count_and_the_cli_needs_no_scan(
     redis_server: RedisServer, sfapp: ModuleType, store: LeaseStore
 ) -> None:
     """A Redis user refused SCAN (the ACL rule of docs/isolation.md without +scan): read_all(key)
-    fails with NOPERM, read_all(key, slots=N) works, and ``show`` reads the slots the app's tasks
-    can have (sfapp.limited: 3) while ``ls`` still needs SCAN (exit 3)."""
+    fails with NOPERM, read_all(key, slots=N) works, and ``show`` works, since it reads the slots
+    the app's tasks can have (sfapp.limited: 3), while ``ls`` still needs SCAN (exit 3)."""
     take_slots(store, KEY)
     admin = redis_server.client()
     user, password = "slots-noscan", "pw-noscan"
