@@ -237,11 +237,13 @@ class LeaseStore:
     def fence_key(self, key: str) -> str:
         return self.layout.redis_key(key, "fence")
 
-    def status_key(self, key: str) -> str:
-        return self.layout.redis_key(key, "status")
+    def status_key(self, key: str, slot: int = 0) -> str:
+        """The status of the run holding ``key`` (its ``slot``), kept after it ends."""
+        return self.layout.redis_key(key, "status" if slot == 0 else f"status{slot}")
 
-    def history_key(self, key: str) -> str:
-        return self.layout.redis_key(key, "history")
+    def history_key(self, key: str, slot: int = 0) -> str:
+        """The progress history stream of that run."""
+        return self.layout.redis_key(key, "history" if slot == 0 else f"history{slot}")
 
     def queue_key(self, key: str) -> str:
         return self.layout.redis_key(key, "queue")
@@ -251,9 +253,7 @@ class LeaseStore:
 
     def _run_keys(self, key: str, slot: int = 0) -> list[str]:
         """Lease, status and history of one run; each slot of a key has its own."""
-        suffix = "" if slot == 0 else str(slot)
-        return [self.lease_key(key, slot), self.layout.redis_key(key, f"status{suffix}"),
-                self.layout.redis_key(key, f"history{suffix}")]
+        return [self.lease_key(key, slot), self.status_key(key, slot), self.history_key(key, slot)]
 
     def joined_key(self, key: str) -> str:
         return self.layout.redis_key(key, "joined")

@@ -218,12 +218,6 @@ class StatusReader:
         self.store = store
         self.client = store.client
 
-    def _status_key(self, key: str, slot: int) -> str:
-        return self.store._run_keys(key, slot)[1]
-
-    def _history_key(self, key: str, slot: int) -> str:
-        return self.store._run_keys(key, slot)[2]
-
     def _lease_slot(self, name: str) -> tuple[str, int] | None:
         """(user key, slot) of a lease's Redis key name of this namespace, else None.
 
@@ -258,7 +252,7 @@ class StatusReader:
             for key, slot in batch:
                 pipe.hgetall(self.store.lease_key(key, slot))
                 pipe.pttl(self.store.lease_key(key, slot))
-                pipe.hgetall(self._status_key(key, slot))
+                pipe.hgetall(self.store.status_key(key, slot))
                 pipe.llen(self.store.queue_key(key))
             replies = pipe.execute()
             for i, (key, slot) in enumerate(batch):
@@ -320,7 +314,7 @@ class StatusReader:
         if snapshot is None:
             return
         fence = snapshot.fence
-        stream = self._history_key(key, slot)
+        stream = self.store.history_key(key, slot)
         deadline = None if timeout is None else mod_time.monotonic() + timeout
         cursor = ["0-0"]
         history: list[Any] = self.client.xrange(stream, min="-", max="+")  # type: ignore[assignment]
