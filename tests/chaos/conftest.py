@@ -14,9 +14,8 @@ import os
 import shutil
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import pytest
 
 from celery_singleflight.testing import RedisServer, WorkerProcess
+
+from ..conftest import wait_for  # re-exported for the scenarios
 
 CHAOS = Path(__file__).parent
 ROOT = CHAOS.parent.parent
@@ -167,18 +168,6 @@ def write_figures(tmp_path_factory: pytest.TempPathFactory, name: str, data: dic
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with the timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
 
 
 def runs(chaos: ModuleType, key: str | None = None) -> list[dict[str, Any]]:
