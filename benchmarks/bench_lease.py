@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
+from benchutil import redis_for
 from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
@@ -54,7 +55,6 @@ from redis.utils import HIREDIS_AVAILABLE
 from celery_singleflight.heartbeat import Heartbeat
 from celery_singleflight.keys import KeyLayout
 from celery_singleflight.lease import Acquired, Holder, Lease, LeaseStore
-from celery_singleflight.testing import RedisServer
 
 TTL = 30.0  # seconds, the same for both contenders
 WARMUP_PAIRS = 1_000  # loads the scripts (NOSCRIPT -> SCRIPT LOAD) and the connection
@@ -470,14 +470,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each timed measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
     args = parser.parse_args()
-    if args.redis_url:
-        run(args.redis_url, args.seconds, private=False)
-        return 0
-    server = RedisServer().start()
-    try:
-        run(server.url, args.seconds, private=True)
-    finally:
-        server.close()
+    with redis_for(args.redis_url) as (url, private):
+        run(url, args.seconds, private=private)
     return 0
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from benchutil import redis_for
 
 from celery_singleflight.errors import LeaseLost
 from celery_singleflight.heartbeat import Heartbeat
@@ -71,7 +72,6 @@ from celery_singleflight.keys import KeyLayout
 from celery_singleflight.lease import Acquired, Holder, Lease, LeaseStore
 from celery_singleflight.progress import ProgressReporter, ProgressUpdate, make_update
 from celery_singleflight.status import StatusReader
-from celery_singleflight.testing import RedisServer
 
 TTL = 30.0  # the library's default lock_ttl
 INTERVAL = TTL / 3  # the library's default heartbeat_interval
@@ -625,14 +625,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of the write-rate measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
     args = parser.parse_args()
-    if args.redis_url:
-        run(args.redis_url, args.seconds, private=False)
-        return 0
-    server = RedisServer().start()
-    try:
-        run(server.url, args.seconds, private=True)
-    finally:
-        server.close()
+    with redis_for(args.redis_url) as (url, private):
+        run(url, args.seconds, private=private)
     return 0
 
 

@@ -74,9 +74,10 @@ from typing import Any
 import celery
 import kombu
 import redis
+from benchutil import redis_for
 from kombu.utils.url import maybe_sanitize_url
 
-from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing import WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 HOLD_SECONDS = 0.3  # how long each holder runs
@@ -407,14 +408,8 @@ def main() -> int:
     parser.add_argument("--loglevel", default="INFO", help="worker log level (INFO)")
     parser.add_argument("--keep-log", action="store_true", help="keep the worker's log file")
     args = parser.parse_args()
-    if args.redis_url:
-        run(args, args.redis_url, private=False)
-        return 0
-    server = RedisServer().start()
-    try:
-        run(args, server.url, private=True)
-    finally:
-        server.close()
+    with redis_for(args.redis_url) as (url, private):
+        run(args, url, private=private)
     return 0
 
 

@@ -76,9 +76,10 @@ from typing import Any
 import celery
 import kombu
 import redis
+from benchutil import redis_for
 from kombu.utils.url import maybe_sanitize_url
 
-from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing import WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 2
@@ -448,14 +449,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.tasks < 2 or args.rounds < 1:
         parser.error("--tasks must be >= 2 and --rounds >= 1")
-    if args.redis_url:
-        run(args, args.redis_url, private=False)
-        return 0
-    server = RedisServer().start()
-    try:
-        run(args, server.url, private=True)
-    finally:
-        server.close()
+    with redis_for(args.redis_url) as (url, private):
+        run(args, url, private=private)
     return 0
 
 
