@@ -58,7 +58,6 @@ __all__ = [
     "preflight",
     "run_at_worker_start",
     "visibility_findings",
-    "warn_if_leases_evictable",
 ]
 
 log = logging.getLogger("celery_singleflight.preflight")
@@ -555,23 +554,3 @@ def run_at_worker_start(app: Any, worker: Any = None) -> list[Finding]:
     if refusals:
         raise ConfigurationError(refusals[0].message)
     return findings
-
-
-def warn_if_leases_evictable(app: Any) -> list[str]:
-    """Warn (and return the warnings) for each lease Redis that may evict keys.
-
-    Leases carry TTLs, so ``volatile-*`` policies evict them too: only ``noeviction`` (or no
-    ``maxmemory``) keeps a held lease from vanishing under memory pressure, which would let a
-    second run take a key that is still held. ``CONFIG`` refused or Redis unreachable: skipped.
-    """
-    warnings: list[str] = []
-    for target in _lease_redises(app):
-        try:
-            found = _eviction(target.client, target.shown)
-        except Exception as exc:  # noqa: BLE001 - CONFIG may be refused (ACL, managed Redis): skip
-            log.debug("could not read the lease Redis's maxmemory settings: %s", exc)
-            continue
-        if found is not None:
-            log.warning("%s", found.message)
-            warnings.append(found.message)
-    return warnings

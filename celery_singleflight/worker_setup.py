@@ -16,9 +16,9 @@ from typing import Any
 
 from celery import signals as celery_signals
 
-from .preflight import run_at_worker_start, warn_if_leases_evictable
+from .preflight import run_at_worker_start
 
-__all__ = ["check_worker_app", "warn_if_leases_evictable", "worker_sends_task_events"]
+__all__ = ["check_worker_app", "worker_sends_task_events"]
 
 _task_events: bool | None = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from types import ModuleType
 
@@ -93,7 +94,11 @@ def test_unbound_task_uses_its_function_signature(sfapp: ModuleType, shared_work
 def test_worker_start_warns_when_the_lease_redis_may_evict_leases(sfapp: ModuleType) -> None:
     """Given a private lease Redis with maxmemory and an allkeys-lru policy, the worker-start check
     warns; with noeviction it does not."""
-    from celery_singleflight.worker_setup import warn_if_leases_evictable
+    from celery_singleflight.preflight import preflight
+
+    def eviction_warnings() -> list[str]:
+        found = preflight(sfapp.app)
+        return [f.message for f in found if f.check == "eviction" and f.level == logging.WARNING]
 
     server = RedisServer(extra=["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]).start()
     original = sfapp.app.conf.singleflight_redis_url
@@ -102,10 +107,10 @@ def test_worker_start_warns_when_the_lease_redis_may_evict_leases(sfapp: ModuleT
             if hasattr(type(task), "_sf_options"):
                 type(task)._sf_options = None
         sfapp.app.conf.singleflight_redis_url = f"{server.url}/2"
-        warnings = warn_if_leases_evictable(sfapp.app)
+        warnings = eviction_warnings()
         assert len(warnings) == 1 and "allkeys-lru" in warnings[0] and "noeviction" in warnings[0]
         server.client().config_set("maxmemory-policy", "noeviction")
-        assert warn_if_leases_evictable(sfapp.app) == []
+        assert eviction_warnings() == []
     finally:
         sfapp.app.conf.singleflight_redis_url = original
         for task in sfapp.app.tasks.values():
