@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
-from benchutil import redis_for
+from benchutil import delete_matching, redis_for
 from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
@@ -250,16 +250,7 @@ class Server:
 
     def delete_namespace(self, namespace: str) -> int:
         """Delete the keys under ``namespace:`` (ours only) and return how many there were."""
-        deleted = 0
-        batch: list[bytes] = []
-        for key in self.admin.scan_iter(match=f"{namespace}:*", count=1_000):
-            batch.append(key)
-            if len(batch) == 1_000:
-                deleted += int(self.admin.unlink(*batch))
-                batch.clear()
-        if batch:
-            deleted += int(self.admin.unlink(*batch))
-        return deleted
+        return delete_matching(self.admin, f"{namespace}:*")
 
 
 def timed_pairs(pair: Callable[[], None], seconds: float) -> tuple[int, float]:

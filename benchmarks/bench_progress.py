@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from benchutil import redis_for
+from benchutil import delete_matching, redis_for
 
 from celery_singleflight.errors import LeaseLost
 from celery_singleflight.heartbeat import Heartbeat
@@ -220,16 +220,7 @@ class Bench:
 
     def delete_namespace(self) -> int:
         """Delete the keys under ``namespace:`` (ours only) and return how many there were."""
-        deleted = 0
-        batch: list[bytes] = []
-        for key in self.admin.scan_iter(match=f"{self.namespace}:*", count=1_000):
-            batch.append(key)
-            if len(batch) == 1_000:
-                deleted += int(self.admin.unlink(*batch))
-                batch.clear()
-        if batch:
-            deleted += int(self.admin.unlink(*batch))
-        return deleted
+        return delete_matching(self.admin, f"{self.namespace}:*")
 
     def close(self) -> None:
         self.heartbeat.stop()

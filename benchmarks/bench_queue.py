@@ -74,7 +74,7 @@ from typing import Any
 import celery
 import kombu
 import redis
-from benchutil import redis_for
+from benchutil import delete_matching, redis_for
 from kombu.utils.url import maybe_sanitize_url
 
 from celery_singleflight.testing import WorkerProcess
@@ -269,19 +269,6 @@ def worker_problems(log: str) -> list[str]:
     return [line for line in log.splitlines() if any(w in line for w in wanted)]
 
 
-def delete_prefix(client: redis.Redis, prefix: str) -> int:
-    deleted = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=f"{prefix}:*", count=1_000):
-        batch.append(key)
-        if len(batch) == 1_000:
-            deleted += int(client.unlink(*batch))
-            batch.clear()
-    if batch:
-        deleted += int(client.unlink(*batch))
-    return deleted
-
-
 def run(args: argparse.Namespace, url: str, private: bool) -> None:
     prefix = f"sfbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if private:
@@ -349,7 +336,7 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         worker.kill()  # only the worker's own process group, if anything of it is left
         log = worker.log()
         if not private:
-            deleted = sum(delete_prefix(admin, p) for p in (prefix,))
+            deleted = delete_matching(admin, f"{prefix}:*")
             print(f"cleanup: deleted {deleted:,} keys under {prefix}:*")
         admin.close()
         qa.app.pool.force_close_all()

@@ -76,7 +76,7 @@ from typing import Any
 import celery
 import kombu
 import redis
-from benchutil import redis_for
+from benchutil import delete_matching, redis_for
 from kombu.utils.url import maybe_sanitize_url
 
 from celery_singleflight.testing import WorkerProcess
@@ -122,19 +122,6 @@ def version_of(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def delete_matching(client: redis.Redis, pattern: str) -> int:
-    deleted = 0
-    batch: list[bytes] = []
-    for key in client.scan_iter(match=pattern, count=1_000):
-        batch.append(key)
-        if len(batch) == 1_000:
-            deleted += int(client.unlink(*batch))
-            batch.clear()
-    if batch:
-        deleted += int(client.unlink(*batch))
-    return deleted
 
 
 def count_matching(client: redis.Redis, pattern: str) -> int:
