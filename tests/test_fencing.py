@@ -247,6 +247,17 @@ SCHEMA = "CREATE TABLE {table} (k TEXT PRIMARY KEY, v TEXT, fence BIGINT NOT NUL
 PAYMENTS = "CREATE TABLE {table} (idem_key TEXT NOT NULL UNIQUE, account TEXT NOT NULL, amount INTEGER)"
 
 
+
+def _with_table(database: Database) -> Iterator[Database]:
+    """``database`` with its table created, then dropped and the connection closed."""
+    database.run(SCHEMA.format(table=database.table))
+    try:
+        yield database
+    finally:
+        database.conn.rollback()
+        database.run(f"DROP TABLE IF EXISTS {database.table}")
+        database.conn.close()
+
 @pytest.fixture(params=["postgres", "sqlite"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     """A fresh table (``k`` primary key, ``v``, ``fence BIGINT NOT NULL DEFAULT 0``), dropped after."""
@@ -260,14 +271,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
         def connect() -> Any:
             return sqlite3.connect(path, timeout=10)
 
-    database = Database(request.param, connect, connect(), table)
-    database.run(SCHEMA.format(table=table))
-    try:
-        yield database
-    finally:
-        database.conn.rollback()
-        database.run(f"DROP TABLE IF EXISTS {table}")
-        database.conn.close()
+    yield from _with_table(Database(request.param, connect, connect(), table))
 
 
 def test_paramstyle_is_read_from_the_driver(db: Database) -> None:
@@ -380,14 +384,7 @@ def test_unsafe_identifiers_and_bad_arguments_raise_value_error(call: Callable[[
 def pg() -> Iterator[Database]:
     """A fresh PostgreSQL table for the concurrency cases, dropped after."""
     table = f"fencing_{uuid.uuid4().hex[:12]}"
-    database = Database("postgres", pg_connect, pg_connect(), table)
-    database.run(SCHEMA.format(table=table))
-    try:
-        yield database
-    finally:
-        database.conn.rollback()
-        database.run(f"DROP TABLE IF EXISTS {table}")
-        database.conn.close()
+    yield from _with_table(Database("postgres", pg_connect, pg_connect(), table))
 
 
 def _in_threads(count: int, work: Callable[[int, Any], None], connect: Callable[[], Any]) -> None:
