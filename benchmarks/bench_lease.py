@@ -38,7 +38,12 @@ import argparse
 import importlib.metadata
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -47,14 +52,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
-from benchutil import delete_matching, redis_for
+from benchutil import bar_chart, delete_matching, machine, redis_for, write_section
 from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
 
+from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, hold, scripts
+from celery_singleflight.guard import options_store
 from celery_singleflight.heartbeat import Heartbeat
-from celery_singleflight.keys import KeyLayout
-from celery_singleflight.lease import Acquired, Holder, Lease, LeaseStore
+from celery_singleflight.settings import app_options
 
 TTL = 30.0  # seconds, the same for both contenders
 WARMUP_PAIRS = 1_000  # loads the scripts (NOSCRIPT -> SCRIPT LOAD) and the connection
@@ -64,7 +70,9 @@ MEMORY_LEASES = 10_000
 BATCH = 100  # pairs between two looks at the clock
 SLICE = 0.5  # seconds per turn when throughput measurements alternate
 
-MIN_PAIRS_PER_SECOND = 10_000
+MIN_RATIO_TO_LOCK = 1.0  # the library's own lease path, pairs/s against redis-py's Lock in the same run
+MIN_HOLD_RATIO_TO_LOCK = 0.9  # the public ``with hold(app, key)`` pair
+MAX_COMMANDS_PER_PAIR = 8  # counted by the server, the commands inside the scripts included
 MAX_TRIPS_PER_PAIR = 2
 MAX_TRIPS_PER_RENEWAL = 1
 MAX_BYTES_PER_LEASE = 500  # "a few hundred bytes"
@@ -103,6 +111,7 @@ class Contender(Protocol):
     name: str
     client: redis.Redis
     trips: RoundTrips
+    top_level: tuple[str, ...]
 
     def pair(self) -> None:
         """One uncontended acquire + release, as one task run does."""
@@ -116,6 +125,8 @@ class Contender(Protocol):
 
 class Singleflight:
     name = "celery_singleflight"
+    # what it sends; the commands inside a script are counted in its time
+    top_level: tuple[str, ...] = ("evalsha",)
 
     def __init__(self, url: str, namespace: str) -> None:
         self.client = redis.Redis.from_url(url)
@@ -127,7 +138,7 @@ class Singleflight:
     def pair(self) -> None:
         token = uuid.uuid4().hex
         got = self.store.acquire("pair", token, TTL, Holder(task_id=token))
-        if not isinstance(got, Acquired) or not self.store.release("pair", token):
+        if not isinstance(got, Acquired) or not self.store.release("pair", token, fence=got.fence):
             raise RuntimeError(f"{self.name}: an uncontended acquire + release failed: {got}")
 
     def hold(self, count: int) -> None:
@@ -148,8 +159,30 @@ class Singleflight:
             raise RuntimeError(f"{self.name}: a renewal lost a lease")
 
 
+class PublicHold:
+    """The public door: ``with hold(app, key): pass``, options, heartbeat, signals and all."""
+
+    name = "celery_singleflight hold()"
+
+    def __init__(self, url: str, namespace: str) -> None:
+        from celery import Celery
+
+        self.app = Celery("bench-lease", broker="memory://", set_as_current=False)
+        self.app.conf.update(singleflight_redis_url=url, singleflight_namespace=namespace,
+                             singleflight_ttl=TTL)
+        with hold(self.app, "hold-pair"):
+            pass
+        self.client = options_store(app_options(self.app, lock_ttl=None, progress_rate=None,
+                                                max_concurrency=1)).client
+
+    def pair(self) -> None:
+        with hold(self.app, "hold-pair"):
+            pass
+
+
 class RedisPyLock:
     name = "redis-py Lock"
+    top_level: tuple[str, ...] = ("set", "evalsha")  # SET NX PX to acquire, a script to release
 
     def __init__(self, url: str, namespace: str) -> None:
         self.client = redis.Redis.from_url(url)
@@ -185,6 +218,7 @@ class Results:
     server_trips_per_renewal: float | None
     seconds_per_renewal: float
     bytes_per_lease: float
+    server_us_per_pair: float | None
 
 
 T = TypeVar("T")
@@ -211,6 +245,13 @@ class Server:
     def commands_processed(self) -> int:
         return int(self.admin.info("stats")["total_commands_processed"])
 
+    def command_usec(self, names: Sequence[str]) -> int | None:
+        """Microseconds Redis spent in ``names`` so far (INFO commandstats), None if refused."""
+        stats = _unless_refused(lambda: self.admin.info("commandstats"))
+        if stats is None:
+            return None
+        return sum(int(stats.get(f"cmdstat_{name}", {}).get("usec", 0)) for name in names)
+
     def used_memory(self) -> int:
         return int(self.admin.info("memory")["used_memory"])
 
@@ -224,7 +265,6 @@ class Server:
         ``redis.call``s are ``[lua]`` lines and do not count). Server figures are None when
         MONITOR or INFO is refused (ACL) or for a unix socket, whose MONITOR lines name no peer.
         """
-        addr = str(contender.client.client_info()["addr"])  # before the client-side count
         by_peer = "path" not in contender.client.connection_pool.connection_kwargs
         trips_before = contender.trips.count
         with redis.Redis.from_url(self.url, socket_timeout=60) as watcher, ExitStack() as stack:
@@ -233,24 +273,39 @@ class Server:
             work()
             commands_after = _unless_refused(self.commands_processed)
             client_trips = contender.trips.count - trips_before
-            server_trips = self._lines_from(monitor, addr) if monitor is not None and by_peer else None
+            addrs = _local_addresses(contender.client)
+            server_trips = self._lines_from(monitor, addrs) if monitor is not None and by_peer else None
         if commands_before is None or commands_after is None:
             return client_trips, server_trips, None
         return client_trips, server_trips, commands_after - commands_before - self.info_cost
 
-    def _lines_from(self, monitor: Monitor, addr: str) -> int:
-        """MONITOR lines sent from ``addr`` until now (an ECHO of ours marks the end)."""
+    def _lines_from(self, monitor: Monitor, addrs: set[str]) -> int:
+        """MONITOR lines sent from ``addrs`` until now (an ECHO of ours marks the end)."""
         sentinel = f"bench-lease-end-{uuid.uuid4().hex}"
         self.admin.echo(sentinel)
         lines = 0
         while sentinel not in (entry := monitor.next_command())["command"]:  # type: ignore[no-untyped-call]
-            if f"{entry['client_address']}:{entry['client_port']}" == addr:
+            if f"{entry['client_address']}:{entry['client_port']}" in addrs:
                 lines += 1
         return lines
 
     def delete_namespace(self, namespace: str) -> int:
         """Delete the keys under ``namespace:`` (ours only) and return how many there were."""
         return delete_matching(self.admin, f"{namespace}:*")
+
+
+def _local_addresses(client: redis.Redis) -> set[str]:
+    """``host:port`` of every open connection of ``client``'s pool, as the server names its
+    peers: the pooled ones and those a thread keeps for its lease scripts."""
+    pool: Any = client.connection_pool
+    conns = [*pool._available_connections, *pool._in_use_connections]
+    out = set()
+    for conn in conns:
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
+            out.add(f"{host}:{port}")
+    return out
 
 
 def timed_pairs(pair: Callable[[], None], seconds: float) -> tuple[int, float]:
@@ -304,6 +359,12 @@ def measure(contender: Contender, server: Server, seconds: float, rate: float) -
             contender.pair()
 
     pair_trips, pair_server_trips, pair_commands = server.count(contender, counted_pairs)
+    usec_before = server.command_usec(contender.top_level)
+    counted_pairs()
+    usec_after = server.command_usec(contender.top_level)
+    server_us = None
+    if usec_before is not None and usec_after is not None:
+        server_us = (usec_after - usec_before) / COUNTED_PAIRS
 
     memory_before = server.used_memory()
     contender.hold(MEMORY_LEASES)
@@ -322,6 +383,7 @@ def measure(contender: Contender, server: Server, seconds: float, rate: float) -
         server_trips_per_renewal=renewal_server_trips,
         seconds_per_renewal=renewal_seconds,
         bytes_per_lease=bytes_per_lease,
+        server_us_per_pair=server_us,
     )
 
 
@@ -333,14 +395,45 @@ def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
     return "n/a" if value is None else ("PASS" if ok(value) else "MISS")
 
 
-def table(ours: Results, theirs: Results, seconds: float) -> str:
+def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
+          instructions: dict[str, int] | None) -> str:
+    ratio = ours.pairs_per_second / theirs.pairs_per_second
+    hold_ratio = hold_rate / theirs.pairs_per_second
+
+    def per_pair(rate: float) -> str:
+        return f"{rate:,.0f} ({1e6 / rate:.1f} µs/pair)"
+
     rows: list[tuple[str, str, str, str, str]] = [
         (
-            f"uncontended acquire+release pairs/s ({seconds:g} s, 1 client)",
-            f"{ours.pairs_per_second:,.0f} ({1e6 / ours.pairs_per_second:.1f} µs/pair)",
-            f"{theirs.pairs_per_second:,.0f} ({1e6 / theirs.pairs_per_second:.1f} µs/pair)",
-            f"≥ {MIN_PAIRS_PER_SECOND:,}",
-            _verdict(ours.pairs_per_second, lambda v: v >= MIN_PAIRS_PER_SECOND),
+            f"uncontended acquire+release pairs/s, library lease path ({seconds:g} s, 1 client)",
+            per_pair(ours.pairs_per_second),
+            per_pair(theirs.pairs_per_second),
+            f"≥ {MIN_RATIO_TO_LOCK:.1f} x Lock",
+            f"{ratio:.2f} x {_verdict(ratio, lambda v: v >= MIN_RATIO_TO_LOCK)}",
+        ),
+        (
+            "same, public `with hold(app, key): pass`",
+            per_pair(hold_rate),
+            per_pair(theirs.pairs_per_second),
+            f"≥ {MIN_HOLD_RATIO_TO_LOCK:.1f} x Lock",
+            f"{hold_ratio:.2f} x {_verdict(hold_ratio, lambda v: v >= MIN_HOLD_RATIO_TO_LOCK)}",
+        ),
+    ]
+    if instructions:
+        rows.append((
+            "client instructions per pair (callgrind, lease path / hold())",
+            f"{instructions.get('store', 0):,} / {instructions.get('hold', 0):,}",
+            f"{instructions.get('lock', 0):,}",
+            "—",
+            "info",
+        ))
+    rows += [
+        (
+            "Redis server time per pair (INFO commandstats: the scripts, and Lock's SET)",
+            "n/a" if ours.server_us_per_pair is None else f"{ours.server_us_per_pair:.1f} µs",
+            "n/a" if theirs.server_us_per_pair is None else f"{theirs.server_us_per_pair:.1f} µs",
+            "—",
+            "info",
         ),
         (
             "round trips per pair, client (send_packed_command calls)",
@@ -357,11 +450,11 @@ def table(ours: Results, theirs: Results, seconds: float) -> str:
             _verdict(ours.server_trips_per_pair, lambda v: v <= MAX_TRIPS_PER_PAIR),
         ),
         (
-            "commands executed per pair, server (total_commands_processed, incl. inside Lua)",
+            "Redis commands per pair, counted by the server (incl. inside Lua)",
             _num(ours.server_commands_per_pair),
             _num(theirs.server_commands_per_pair),
-            "—",
-            "info",
+            f"≤ {MAX_COMMANDS_PER_PAIR}",
+            _verdict(ours.server_commands_per_pair, lambda v: v <= MAX_COMMANDS_PER_PAIR),
         ),
         (
             f"round trips per {RENEWED_LEASES:,}-lease renewal pass, client",
@@ -385,7 +478,7 @@ def table(ours: Results, theirs: Results, seconds: float) -> str:
             "info",
         ),
         (
-            f"Redis used_memory per held lease ({MEMORY_LEASES:,} leases; ours incl. fence key)",
+            f"Redis used_memory per held lease ({MEMORY_LEASES:,} leases; ours: the run record)",
             f"{ours.bytes_per_lease:,.0f} B",
             f"{theirs.bytes_per_lease:,.0f} B",
             f"a few hundred bytes (≤ {MAX_BYTES_PER_LEASE} B)",
@@ -398,6 +491,43 @@ def table(ours: Results, theirs: Results, seconds: float) -> str:
         *(f"| {' | '.join(row)} |" for row in rows),
     ]
     return "\n".join(lines)
+
+
+def instructions_per_pair(url: str) -> dict[str, int]:
+    """Client-side instructions per pair for each door, from ``valgrind --tool=callgrind`` (the
+    same total for the same inputs whatever else the machine does): the difference between runs
+    of 100 and 400 pairs, divided by 300, so start-up and warm-up cancel out. Empty without
+    valgrind."""
+    if shutil.which("valgrind") is None:
+        print("valgrind not found: no instruction counts")
+        return {}
+    counts: dict[str, int] = {}
+    for name in ("store", "hold", "lock"):
+        totals = []
+        for pairs in (100, 400):
+            with tempfile.TemporaryDirectory() as tmp:
+                done = subprocess.run(
+                    ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable,
+                     __file__, "--instructions-of", name, "--pairs", str(pairs), "--redis-url", url],
+                    capture_output=True, text=True, check=True,
+                )
+            found = re.search(r"Collected : (\d+)", done.stderr)
+            if found is None:
+                raise RuntimeError(f"callgrind printed no total: {done.stderr[-500:]}")
+            totals.append(int(found.group(1)))
+        counts[name] = (totals[1] - totals[0]) // 300
+    return counts
+
+
+def instructions_child(name: str, url: str, pairs: int) -> None:
+    """The body ``instructions_per_pair`` runs under callgrind: warm up, then ``pairs`` pairs."""
+    namespace = f"sfbench-cg-{os.getpid()}"
+    door: Any = {"store": Singleflight, "hold": PublicHold, "lock": RedisPyLock}[name](url, namespace)
+    for _ in range(WARMUP_PAIRS // 5):
+        door.pair()
+    for _ in range(pairs):
+        door.pair()
+    delete_matching(door.client, f"{namespace}:*")
 
 
 def parser_description(client: redis.Redis) -> str:
@@ -414,7 +544,44 @@ def parser_description(client: redis.Redis) -> str:
     return f"{name}, RESP{protocol} ({hiredis})"
 
 
-def run(url: str, seconds: float, private: bool) -> None:
+#: parts of a lease script, each timed alone inside Redis (INFO commandstats, EVALSHA usec_per_call)
+_PARTS: list[tuple[str, str]] = [
+    ("an empty script (Redis's own cost of one EVALSHA)", "return 1"),
+    ("defining the shared Lua helpers", scripts._COMMON + scripts._HAND_OFF + "return 1"),
+    ("TIME (the server clock: deadlines, fences)", "local t = redis.call('TIME') return 1"),
+    ("unpacking the packed call (9 fields)",
+     scripts._COMMON + "local c = unpack_call(ARGV[1], 9) return 1"),
+    ("GET and cjson.decode of a run record", "local r = cjson.decode(redis.call('GET', KEYS[1])) return 1"),
+    ("cjson.encode and SET of a run record",
+     "local r = cjson.decode(ARGV[2]) redis.call('SET', KEYS[1], cjson.encode(r), 'PX', 60000) return 1"),
+]
+
+
+def server_breakdown(server: Server, namespace: str) -> str:
+    """Microseconds of server time per EVALSHA for each part of a lease script, timed alone, and
+    the whole ACQUIRE and RELEASE of an uncontended pair: where the scripts' time goes."""
+    admin = server.admin
+    key = f"{namespace}:{{breakdown}}:run"
+    record = ('{"task_id":"' + uuid.uuid4().hex + '","hostname":"celery@host","pid":"1234",'
+              '"task_name":"proj.tasks.sync","token":"' + uuid.uuid4().hex + '","fence":"1795446547423730",'
+              '"since":"1795446547423","deadline":"1795446577423","state":"running"}')
+    admin.set(key, record)
+    call = "\x1f".join(["tok" + uuid.uuid4().hex, "30000", "300000", "1", "", "", "task-1", "x", "y"])
+    rows = []
+    for label, source in _PARTS:
+        sha = admin.script_load(source)
+        for _ in range(200):
+            admin.evalsha(sha, 1, key, call, record)
+        admin.config_resetstat()
+        for _ in range(3000):
+            admin.evalsha(sha, 1, key, call, record)
+        usec = float(admin.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+        rows.append(f"| {label} | {usec:.2f} µs |")
+    admin.delete(key)
+    return "\n".join(["| part of a lease script, timed alone | server time per call |", "|---|---:|", *rows])
+
+
+def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_docs: bool = False) -> None:
     namespace = f"sfbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     server = Server(url)
     contenders: list[Contender] = []
@@ -426,10 +593,11 @@ def run(url: str, seconds: float, private: bool) -> None:
             print("note: INFO counts and used_memory include whatever else this server is doing")
         ours = Singleflight(url, namespace)
         theirs = RedisPyLock(url, namespace)
+        public = PublicHold(url, namespace)
         contenders += [ours, theirs]
-        for contender in contenders:
+        for pair in (ours.pair, theirs.pair, public.pair):
             for _ in range(WARMUP_PAIRS):  # connects, and loads the scripts (NOSCRIPT -> SCRIPT LOAD)
-                contender.pair()
+                pair()
         print(f"python {platform.python_version()}, redis-py {redis.__version__}, "
               f"parser {parser_description(ours.client)}")
         ping = ours.client.ping
@@ -438,16 +606,49 @@ def run(url: str, seconds: float, private: bool) -> None:
             ping()
             ping()
 
-        ours_rate, theirs_rate, ceiling = pairs_per_second([ours.pair, theirs.pair, two_pings], seconds)
+        ours_rate, hold_rate, theirs_rate, ceiling = pairs_per_second(
+            [ours.pair, public.pair, theirs.pair, two_pings], seconds
+        )
         ours_results = measure(ours, server, seconds, ours_rate)
         theirs_results = measure(theirs, server, seconds, theirs_rate)
+        instructions = instructions_per_pair(url) if callgrind else {}
+        report = table(ours_results, theirs_results, hold_rate, seconds, instructions)
+        breakdown = server_breakdown(server, namespace)
+        notes = (
+            "Verdicts are for celery_singleflight; redis-py Lock is the baseline, measured in the same "
+            "run in alternating slices. Its renewal pass "
+            f"is {RENEWED_LEASES:,} reacquire() calls: it has no batch renewal. Ceiling for any "
+            f"2-round-trip pair with this client: two PINGs = {ceiling:,.0f}/s ({1e6 / ceiling:.1f} µs), "
+            "measured interleaved with the pairs above."
+        )
+        breakdown_note = (
+            "Where a script's server time goes: each row is one part timed alone, as its own script "
+            "(so each includes the empty script's cost; a lease script's parts add up less one such "
+            "cost per part). An "
+            "uncontended pair runs two scripts, each one TIME, one GET + decode, one encode + SET and "
+            "the unpacking, which redis-py's Lock does not do: it records no holder, fence, status "
+            "or outcome."
+        )
         print()
-        print(table(ours_results, theirs_results, seconds))
+        print(report)
         print()
-        print("Verdicts are for celery_singleflight; redis-py Lock is the baseline. Its renewal pass "
-              f"is {RENEWED_LEASES:,} reacquire() calls: it has no batch renewal.")
-        print(f"Ceiling for any 2-round-trip pair with this client: two PINGs = {ceiling:,.0f}/s "
-              f"({1e6 / ceiling:.1f} µs), measured interleaved with the pairs above.")
+        print(notes)
+        print()
+        print(breakdown)
+        print()
+        print(breakdown_note)
+        if write_docs:
+            chart = bar_chart("lease", "uncontended acquire + release pairs/s, one client",
+                              ["celery_singleflight lease path", "celery_singleflight hold()",
+                               "redis-py Lock", "two PINGs (floor of any 2-round-trip pair)"],
+                              [ours_rate, hold_rate, theirs_rate, ceiling], "pairs/s",
+                              highlight="celery_singleflight lease path")
+            write_section("lease", "\n\n".join(filter(None, [
+                "## Lease cost (`benchmarks/bench_lease.py`)",
+                "Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_lease.py --callgrind` "
+                f"(a private redis-server {server.version()}, parser {parser_description(ours.client)}).",
+                f"Measured {machine()}.", report, notes, chart, breakdown, breakdown_note,
+            ])))
     finally:
         deleted = server.delete_namespace(namespace)
         print(f"cleanup: deleted {deleted:,} keys under {namespace}:*")
@@ -460,9 +661,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each timed measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="also count client instructions per pair under valgrind (about a minute)")
+    parser.add_argument("--write-docs", action="store_true", help="write the figures into docs/benchmarks.md")
+    parser.add_argument("--instructions-of", choices=["store", "hold", "lock"], help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", type=int, default=100, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.instructions_of:
+        instructions_child(args.instructions_of, args.redis_url, args.pairs)
+        return 0
     with redis_for(args.redis_url) as (url, private):
-        run(url, args.seconds, private=private)
+        run(url, args.seconds, private=private, callgrind=args.callgrind, write_docs=args.write_docs)
     return 0
 
 

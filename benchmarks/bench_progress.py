@@ -9,7 +9,7 @@ their budgets, without Celery, with the library's real objects wired as ``Single
 wires them: a ``LeaseStore`` lease, added to a ``Heartbeat``; a ``ProgressReporter`` whose
 ``schedule`` is that heartbeat's ``schedule_flush``; and a writer doing what
 ``SingleFlightTask._sf_progress_writer`` does minus its Celery parts (result meta, event):
-``store.progress(lease, json.dumps(update.as_dict()), update.status_fields())``, marking the
+``store.progress(key, slot, token, json.dumps(update.as_dict()), update.state, seq)``, marking the
 lease lost and raising ``LeaseLost`` if the write finds the lease gone.
 
 1. Redis round trips per progress write, counted on the client (``send_packed_command`` calls
@@ -64,12 +64,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from benchutil import delete_matching, redis_for
+from benchutil import delete_matching, machine, redis_for, write_section
 
+from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore
 from celery_singleflight.errors import LeaseLost
 from celery_singleflight.heartbeat import Heartbeat
-from celery_singleflight.keys import KeyLayout
-from celery_singleflight.lease import Acquired, Holder, Lease, LeaseStore
 from celery_singleflight.progress import ProgressReporter, ProgressUpdate, make_update
 from celery_singleflight.status import StatusReader
 
@@ -146,13 +145,15 @@ class Run:
 
 
 def progress_writer(lease: Lease, log: list[tuple[float, float]]) -> Callable[[ProgressUpdate], None]:
-    """``SingleFlightTask._sf_progress_writer`` without the result meta and the Celery event."""
+    """``Lease.write_progress`` without the result meta and the Celery event, timed."""
+    seq = itertools.count(1)
 
     def write(update: ProgressUpdate) -> None:
         data = update.as_dict()
         started = time.perf_counter()
         try:
-            ours = lease.store.progress(lease, json.dumps(data), update.status_fields())
+            ours = lease.store.progress(lease.key, lease.slot, lease.token, json.dumps(data), update.state,
+                                        next(seq))
         except redis.RedisError as exc:
             print(f"warning: could not record progress of key={lease.key!r}: {exc}")
             ours = True  # as the task does: Redis trouble is the heartbeat's to judge
@@ -195,7 +196,7 @@ class Bench:
         if not lease.lost:
             run.reporter.flush()
         lease.released = True
-        return self.store.release(run.key, lease.token, outcome)
+        return bool(self.store.release(run.key, lease.token, outcome, fence=lease.fence))
 
     def evalsha_stats(self) -> tuple[int, int] | None:
         """EVALSHA calls the server has run and the microseconds they took (INFO commandstats),
@@ -582,7 +583,7 @@ def table(
     return "\n".join(lines)
 
 
-def run(url: str, seconds: float, private: bool) -> None:
+def run(url: str, seconds: float, private: bool, write_docs: bool = False) -> None:
     namespace = f"sfbench-progress-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     bench = Bench(url, namespace)
     try:
@@ -598,13 +599,24 @@ def run(url: str, seconds: float, private: bool) -> None:
         paced = measure_throttle(bench, "paced", f"paced loop ({PACED_SLEEP * 1e3:g} ms sleeps)", PACED_SLEEP)
         latency = measure_latency(bench)
         rate = measure_rate(bench, seconds)
+        rows = table(trips, [tight, paced], latency, rate, seconds)
+        note = ("Latency is time.time() in the watcher process when watch() yields the event minus "
+                "time.time() in the writer just before make_update(); both on this machine's clock.")
         print()
-        print(table(trips, [tight, paced], latency, rate, seconds))
+        print(rows)
         print()
         if latency.error:
             print(f"watcher error: {latency.error}")
-        print("Latency is time.time() in the watcher process when watch() yields the event minus "
-              "time.time() in the writer just before make_update(); both on this machine's clock.")
+        print(note)
+        if write_docs:
+            write_section("progress", "\n\n".join([
+                "## Progress (`benchmarks/bench_progress.py`)",
+                f"{machine()}; redis-server {version}. Reproduce with "
+                "`.venv/bin/python benchmarks/bench_progress.py --write-docs` (private redis-server; the "
+                "library's real `LeaseStore`, `Lease`, `ProgressReporter` and `Heartbeat`, wired as "
+                "`SingleFlightTask` wires them).",
+                rows, note,
+            ]))
     finally:
         deleted = bench.delete_namespace()
         print(f"cleanup: deleted {deleted:,} keys under {namespace}:*")
@@ -615,9 +627,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of the write-rate measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
+    parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args()
     with redis_for(args.redis_url) as (url, private):
-        run(url, args.seconds, private=private)
+        run(url, args.seconds, private=private, write_docs=args.write_docs)
     return 0
 
 

@@ -74,7 +74,7 @@ from typing import Any
 import celery
 import kombu
 import redis
-from benchutil import delete_matching, redis_for
+from benchutil import delete_matching, machine, redis_for, write_section
 from kombu.utils.url import maybe_sanitize_url
 
 from celery_singleflight.testing import WorkerProcess
@@ -341,15 +341,30 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         admin.close()
         qa.app.pool.force_close_all()
 
+    latency_table = table(all_series, lambda r: r.latency, with_budget=True)
+    from_end_table = table(all_series, lambda r: r.from_end, with_budget=False)
     print()
     print("Release → duplicate body start (release = lease_released signal; re-check: after its delete):")
     print()
-    print(table(all_series, lambda r: r.latency, with_budget=True))
+    print(latency_table)
     print()
     print("Same rounds, from the end of the holder's body (before the release script runs):")
     print()
-    print(table(all_series, lambda r: r.from_end, with_budget=False))
+    print(from_end_table)
     print()
+    if args.write_docs:
+        write_section("queue", "\n\n".join([
+            "## Hand-off latency: release to the next run (`benchmarks/bench_queue.py`)",
+            f"{machine()}. Reproduce with `.venv/bin/python benchmarks/bench_queue.py --write-docs` "
+            f"({args.rounds} rounds per policy; one real worker, Redis broker; the holder runs "
+            f"{HOLD_SECONDS if args.hold is None else args.hold:g} s, the duplicate is sent while it holds "
+            "the key). `queue` hands the key to the parked run in the release script and sends its "
+            "message at once; `retry` re-sends after its backoff; the fixed re-check row is a duplicate "
+            f"that simply tries again after {RECHECK_SECONDS:g} s, for comparison.",
+            "Release → duplicate body start:", latency_table,
+            "Same rounds, from the end of the holder's body (before the release script runs):",
+            from_end_table,
+        ]))
     for s in all_series:
         attempts = [r.attempts for r in s.rounds]
         extra = (f"; duplicate found the key busy {min(attempts)} to {max(attempts)} times per round "
@@ -394,6 +409,7 @@ def main() -> int:
                         help='extra kombu transport options as JSON, e.g. \'{"polling_interval": 0.1}\'')
     parser.add_argument("--loglevel", default="INFO", help="worker log level (INFO)")
     parser.add_argument("--keep-log", action="store_true", help="keep the worker's log file")
+    parser.add_argument("--write-docs", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args()
     with redis_for(args.redis_url) as (url, private):
         run(args, url, private=private)

@@ -59,6 +59,7 @@ The result is a report, not a test: the exit status is 0 whatever the verdict.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -75,15 +76,26 @@ from typing import Any
 
 import celery
 import kombu
+import psutil
 import redis
-from benchutil import delete_matching, redis_for
+from benchutil import (
+    bar_chart,
+    delete_matching,
+    machine,
+    redis_for,
+    version_of,
+    worker_problems,
+    write_section,
+)
 from kombu.utils.url import maybe_sanitize_url
 
+from celery_singleflight import KeyLayout, LeaseStore, StatusReader
 from celery_singleflight.testing import WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 CONCURRENCY = 2
-BUDGET_RATIO = 0.95
+BUDGET_RATIO = 0.95  # wall-clock throughput, paired median, against plain Celery
+CPU_BUDGET = 1.10  # worker + redis-server CPU per task, against plain Celery plus two PINGs
 WARMUP_TASKS = 50  # per variant, in the unmeasured warm-up worker
 VARIANTS = ("plain", "two_pings", "singleflight", "once", "singleton")
 LABELS = {
@@ -106,6 +118,8 @@ class Measurement:
     leftover_locks: int | None  # lock keys of this variant still in Redis after the run
     dispatch_commands: float | None = None  # Redis commands per published message (private server)
     worker_commands: float | None = None  # Redis commands per task while the worker ran (private server)
+    worker_cpu_ms: float | None = None  # CPU ms per task of the worker's processes, first -> last run
+    redis_cpu_ms: float | None = None  # CPU ms per task of the redis-server, same interval (private server)
 
 
 @dataclass
@@ -117,20 +131,8 @@ class Variant:
     failed: list[str] = field(default_factory=list)
 
 
-def version_of(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def count_matching(client: redis.Redis, pattern: str) -> int:
     return sum(1 for _ in client.scan_iter(match=pattern, count=1_000))
-
-
-def worker_problems(log: str) -> list[str]:
-    wanted = ("ERROR", "CRITICAL", "Traceback", "WARNING/")
-    return [line for line in log.splitlines() if any(w in line for w in wanted)]
 
 
 class Bench:
@@ -154,7 +156,7 @@ class Bench:
         """A SCAN pattern matching the held locks of a variant (None: it has none)."""
         prefix = self.ta.PREFIX
         if variant == "singleflight":
-            return f"{prefix}:{{*}}:lease"
+            return f"{prefix}:{{*}}:run"
         if variant == "once":
             return f"qo_{self.ta.once_task_name()}_*"
         if variant == "singleton":
@@ -170,17 +172,43 @@ class Bench:
         del worker.args[at:at + 2]
         return worker
 
-    def run_worker_until(self, worker: WorkerProcess, done: Any, timeout: float, what: str) -> None:
+    def cpu_seconds(self, worker: WorkerProcess) -> tuple[float, float | None]:
+        """CPU seconds used so far by the worker's processes (main and pool) and by the private
+        redis-server (``INFO cpu``; None on a shared server)."""
+        total = 0.0
+        if worker.proc is not None:
+            with contextlib.suppress(psutil.Error):
+                main = psutil.Process(worker.proc.pid)
+                for proc in [main, *main.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        times = proc.cpu_times()
+                        total += times.user + times.system
+        server = None
+        if self.private:
+            info = self.broker.info("cpu")
+            server = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        return total, server
+
+    def run_worker_until(
+        self, worker: WorkerProcess, done: Any, timeout: float, what: str, started: Any = None,
+    ) -> tuple[tuple[float, float | None], tuple[float, float | None]]:
+        """Start ``worker``, wait for ``done()``; return the CPU readings when ``started()`` first
+        held (the first run began) and when ``done()`` did (polled every 10 ms)."""
+        first = last = (0.0, None)
         try:
             worker.start()
             deadline = time.monotonic() + timeout
+            seen_start = started is None
             while not done():
                 if worker.proc is None or worker.proc.poll() is not None:
                     raise RuntimeError(f"the worker exited during {what}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{what} not finished within {timeout:g} s")
-                time.sleep(0.05)
-                self.polls += 1
+                if not seen_start and started():
+                    first, seen_start = self.cpu_seconds(worker), True
+                time.sleep(0.01)
+                self.polls += 2 if started is not None else 1
+            last = self.cpu_seconds(worker)
         finally:
             worker.stop()
             worker.kill()  # only the worker's own process group, if anything of it is left
@@ -189,6 +217,7 @@ class Bench:
                 print(f"  worker log kept at {worker.log_path}")
             else:
                 worker.cleanup()
+        return first, last
 
     def dispatch(self, variant: str, round_id: str, n: int) -> float:
         """Publish n messages of ``variant``; return the dispatch rate (messages/s)."""
@@ -236,8 +265,12 @@ class Bench:
         def done() -> bool:
             return bool(self.recorder.exists(ta.last_key(round_id)))
 
+        def started() -> bool:
+            return bool(self.recorder.exists(ta.first_key(round_id)))
+
         self.polls = 0
-        self.run_worker_until(worker, done, 60.0 + n / 20, f"{variant} round {round_no}")
+        what = f"{variant} round {round_no}"
+        cpu_first, cpu_last = self.run_worker_until(worker, done, 60.0 + n / 20, what, started)
         c2 = self.commands()
         count = int(self.recorder.get(ta.count_key(round_id)) or 0)
         if count != n:
@@ -245,13 +278,20 @@ class Bench:
         first = float(self.recorder.get(ta.first_key(round_id)) or 0)
         last = float(self.recorder.get(ta.last_key(round_id)) or 0)
         pattern = self.lock_pattern(variant)
-        leftover = count_matching(self.locks, pattern) if pattern else None
+        if variant == "singleflight":  # run records outlive their runs: count the held ones
+            leftover = len(StatusReader(LeaseStore(self.locks, KeyLayout(ta.PREFIX))).held())
+        else:
+            leftover = count_matching(self.locks, pattern) if pattern else None
         per_dispatch = per_task = None
         if c0 is not None and c1 is not None and c2 is not None:
             per_dispatch = (c1 - c0 - 3) / n  # minus DEL, the LLEN check and one INFO
             per_task = (c2 - c1 - self.polls - 1) / n  # minus this process's polls and one INFO
+        worker_cpu = (cpu_last[0] - cpu_first[0]) / n * 1e3
+        redis_cpu = None
+        if cpu_first[1] is not None and cpu_last[1] is not None:
+            redis_cpu = (cpu_last[1] - cpu_first[1]) / n * 1e3
         return Measurement(round_no, variant, n / (last - first), dispatch_rate, last - first, leftover,
-                           per_dispatch, per_task)
+                           per_dispatch, per_task, worker_cpu, redis_cpu)
 
 
 def _rate(value: float) -> str:
@@ -264,6 +304,51 @@ def median_ratio(variant: Variant, baseline: Variant, pick: str) -> tuple[float,
     if not ratios:
         return None
     return statistics.median(ratios), ratios
+
+
+def cpu_per_thousand(m: Measurement) -> float | None:
+    """CPU seconds per 1,000 tasks: the worker's processes plus the redis-server (leases, broker
+    and results all live on it here), from the first run to the last."""
+    if m.worker_cpu_ms is None or m.redis_cpu_ms is None:
+        return None
+    return m.worker_cpu_ms + m.redis_cpu_ms  # ms per task == s per 1,000 tasks
+
+
+def paired_cpu_ratio(variant: Variant, floor: Variant) -> tuple[float, list[float]] | None:
+    base = {m.round_no: cpu_per_thousand(m) for m in floor.runs}
+    ratios = []
+    for m in variant.runs:
+        mine, theirs = cpu_per_thousand(m), base.get(m.round_no)
+        if mine is not None and theirs:
+            ratios.append(mine / theirs)
+    return (statistics.median(ratios), ratios) if ratios else None
+
+
+def cpu_table(variants: Sequence[Variant]) -> str:
+    """CPU per task, the budget's steadier measure: worker + redis-server CPU per 1,000 tasks."""
+    floor = next((v for v in variants if v.name == "two_pings" and v.runs), None)
+    lines = [
+        "| variant | worker CPU ms/task (median) | redis-server CPU ms/task | CPU s per 1,000 tasks (median) "
+        "| ratio to the 2-PING floor (paired median) | budget | verdict |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for v in variants:
+        measured = [m for m in v.runs if cpu_per_thousand(m) is not None]
+        if not measured:
+            continue
+        worker = statistics.median(m.worker_cpu_ms or 0.0 for m in measured)
+        redis_ms = statistics.median(m.redis_cpu_ms or 0.0 for m in measured)
+        total = statistics.median(cpu_per_thousand(m) or 0.0 for m in measured)
+        got = paired_cpu_ratio(v, floor) if floor is not None else None
+        ratio = "—" if got is None or v.name == "two_pings" else f"{got[0]:.3f}"
+        if v.name == "singleflight":
+            budget = f"≤ {CPU_BUDGET:g} x floor"
+            verdict = "n/a" if got is None else ("PASS" if got[0] <= CPU_BUDGET else "MISS")
+        else:
+            budget, verdict = "—", "floor" if v.name == "two_pings" else "comparison"
+        lines.append(f"| {LABELS[v.name]} | {worker:.3f} | {redis_ms:.3f} | {total:.3f} | {ratio} | {budget} "
+                     f"| {verdict} |")
+    return "\n".join(lines)
 
 
 def summary_table(variants: Sequence[Variant]) -> str:
@@ -395,23 +480,32 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         ta.recorder.close()
         ta.app.pool.force_close_all()
 
+    summary, cpu, per_round = summary_table(variants), cpu_table(variants), rounds_table(variants)
+    heading = (f"Throughput, {args.tasks:,} no-op tasks per measurement (N / (last end - first start)), "
+               f"{args.rounds} interleaved round(s):")
+    notes = ("celery-once and celery-singleton take their lock in `apply_async`, in the producer (this "
+             "process), so their worker-side cost is only the unlock; their lock round trip shows in the "
+             "dispatch rate instead. SingleFlightTask and plain Celery publish the same way; the lease is "
+             "taken and released in the worker. CPU is read from /proc (psutil) for the worker's processes "
+             "and from `INFO cpu` for the redis-server (broker, results and leases), when the first run "
+             "starts and when the last ends. \"locks left in Redis\" counts the variant's held locks after "
+             "its worker drained the queue (0: every run released its lock). Redis commands are counted by "
+             "the private server (INFO commandstats, including commands inside Lua scripts; the worker "
+             "figure includes its start-up and shutdown, spread over the N tasks).")
     print()
-    print(f"Throughput, {args.tasks:,} no-op tasks per measurement (N / (last end - first start)), "
-          f"{args.rounds} interleaved round(s):")
+    print(heading)
     print()
-    print(summary_table(variants))
+    print(summary)
+    print()
+    print("CPU per task (steadier than wall-clock rates on a shared machine):")
+    print()
+    print(cpu)
     print()
     print("Per measurement:")
     print()
-    print(rounds_table(variants))
+    print(per_round)
     print()
-    print("celery-once and celery-singleton take their lock in `apply_async`, in the producer (this "
-          "process), so their worker-side cost is only the unlock; their lock round trip shows in the "
-          "dispatch rate instead. SingleFlightTask and plain Celery publish the same way; the lease is "
-          "taken and released in the worker. \"locks left in Redis\" counts the variant's lock keys after "
-          "its worker drained the queue (0: every run released its lock). Redis commands are "
-          "counted by the private server (INFO commandstats, including commands inside Lua scripts; the "
-          "worker figure includes its start-up and shutdown, spread over the N tasks).")
+    print(notes)
     for v in variants:
         for failure in v.failed:
             print(f"{v.name}: FAILED: {failure}")
@@ -419,13 +513,29 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     print(f"worker logs: {len(bench.problems)} warning/error lines" + (":" if bench.problems else ""))
     for line in bench.problems[:10]:
         print(f"  {line}")
+    if args.write_docs:
+        measured = [v for v in variants if any(cpu_per_thousand(m) is not None for m in v.runs)]
+        chart = bar_chart(
+            "throughput-cpu", "worker + redis-server CPU seconds per 1,000 no-op tasks (median)",
+            [LABELS[v.name].replace("`", "") for v in measured],
+            [statistics.median(cpu_per_thousand(m) or 0.0 for m in v.runs) for v in measured], "s",
+            highlight=LABELS["singleflight"].replace("`", ""),
+        )
+        write_section("throughput", "\n\n".join(filter(None, [
+            "## End-to-end throughput and CPU per task (`benchmarks/bench_throughput.py`)",
+            f"Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_throughput.py --rounds "
+            f"{args.rounds}` (private redis-server {server_version}; `celery worker --pool prefork "
+            f"--concurrency {CONCURRENCY}`, a fresh one per measurement). Measured {machine()}.",
+            heading, summary, "CPU per task:", cpu, chart, notes,
+            "<details><summary>Per measurement</summary>", per_round, "</details>",
+        ])))
     print(f"total time {time.monotonic() - started:.0f} s")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tasks", type=int, default=3000, help="messages per measurement (3000)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (3)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per variant (7)")
     parser.add_argument("--redis-url",
                         help="use this Redis and DB (only keys under a unique prefix are touched)")
     parser.add_argument("--skip", action="append", default=[], choices=[v for v in VARIANTS if v != "plain"],
@@ -433,6 +543,7 @@ def main() -> int:
     parser.add_argument("--task-logs", action="store_true",
                         help="keep Celery's per-task INFO log lines (received/succeeded) in the workers")
     parser.add_argument("--keep-logs", action="store_true", help="keep the workers' log files")
+    parser.add_argument("--write-docs", action="store_true", help="write the figures into docs/benchmarks.md")
     args = parser.parse_args()
     if args.tasks < 2 or args.rounds < 1:
         parser.error("--tasks must be >= 2 and --rounds >= 1")

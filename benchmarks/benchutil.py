@@ -1,9 +1,17 @@
-"""What the benchmarks share: the Redis they run against."""
+"""What the benchmarks share: the Redis they run against, and where their figures go
+(their own section of docs/benchmarks.md, and a PNG plot beside it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import datetime as dt
+import importlib.metadata
+import os
+import platform
+import re
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import redis
 
@@ -38,3 +46,99 @@ def delete_matching(client: redis.Redis, pattern: str) -> int:
     if batch:
         deleted += int(client.unlink(*batch))
     return deleted
+
+
+# -- writing the figures into docs/benchmarks.md --------------------------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BENCH_DOC = DOCS / "benchmarks.md"
+IMAGES = DOCS / "img"
+
+
+def machine() -> str:
+    """One line naming the machine and the versions the figures come from."""
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # pragma: no cover - not on Linux
+        load = "n/a"
+    return (f"{dt.date.today().isoformat()}, {os.cpu_count()} x {cpu}, load {load} at start, "
+            f"Python {platform.python_version()}, redis-py {redis.__version__}")
+
+
+def write_section(name: str, markdown: str, doc: Path = BENCH_DOC) -> None:
+    """Replace the section between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in
+    docs/benchmarks.md with ``markdown`` (appended at the end the first time): every figure in
+    that page is written by the benchmark that measured it, never typed by hand."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        tail = rest.split(end, 1)[1]
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
+    print(f"wrote the {name!r} section of {doc.relative_to(doc.parent.parent)}")
+
+
+def bar_chart(name: str, title: str, labels: Sequence[str], values: Sequence[float], unit: str,
+              highlight: str | None = None) -> str | None:
+    """Draw a horizontal bar chart to docs/img/bench-NAME.png (matplotlib, from the ``bench``
+    extra); return the Markdown image line, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return None
+    IMAGES.mkdir(exist_ok=True)
+    path = IMAGES / f"bench-{name}.png"
+    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(labels) + 1.2), dpi=110)
+    colors = ["#d9480f" if label == highlight else "#868e96" for label in labels]
+    bars = ax.barh(list(labels)[::-1], list(values)[::-1], color=colors[::-1])
+    for bar, value in zip(bars, list(values)[::-1], strict=True):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {value:,.3g} {unit}",
+                va="center", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(unit)
+    ax.margins(x=0.25)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"![{title}](img/{path.name})"
+
+
+def version_of(dist: str) -> str:
+    """The installed version of ``dist``, or "not installed"."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def distinct_lines(lines: Sequence[str]) -> list[tuple[str, int]]:
+    """Worker log lines each once (timestamp dropped), tagged with the first measurement that logged
+    them, with how many times they came."""
+    counts: dict[str, int] = {}
+    first_tag: dict[str, str] = {}
+    for line in lines:
+        tag, _, rest = line.partition("] ")
+        text = re.sub(r"^\[\d{4}-\d\d-\d\d [\d:,]+: ", "[", rest)
+        counts[text] = counts.get(text, 0) + 1
+        first_tag.setdefault(text, tag + "]")
+    return [(f"{first_tag[text]} {text}", n) for text, n in counts.items()]
+
+
+def worker_problems(log: str) -> list[str]:
+    """The lines of a worker's log worth showing under a benchmark's table."""
+    wanted = ("ERROR", "CRITICAL", "Traceback", "WARNING/")
+    return [line for line in log.splitlines() if any(w in line for w in wanted)]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import queueing, signals, worker_hooks, worker_setup  # noqa: F401  (worker receivers, tasks)
+from . import signals, states
+
+# time policies
+from .debounce import DebouncedRun, is_debounced
 
 # errors
 from .errors import (
@@ -17,28 +20,35 @@ from .errors import (
     QueueFull,
     RedisUnavailable,
     SingleFlightError,
+    Superseded,
+    Throttled,
+    UnstableKeyError,
 )
 
 # outside tasks
 from .hold import HoldLease, hold
 
 # keys
-from .keys import MAX_KEY_LENGTH, KeyLayout, canonical, compile_key, digest_key
+from .keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
+from .layout import KeyLayout
 
 # leases
-from .lease import Acquired, Held, Holder, Lease, LeaseStore
+from .lease import Lease
 
 # outcomes
-from .outcome import SkippedRun, is_skipped
+from .outcome import CoalescedRun, SkippedRun, is_coalesced, is_skipped
+from .replies import Acquired, Held, Holder, Parked, Settlement
 
 # settings
 from .settings import Options, resolve_options
 
 # status, progress and operations
 from .status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, status_all, watch
+from .store import LeaseStore, store_for
 
 # the task base class
-from .task import SingleFlightTask, counters, store_for
+from .task import SingleFlightTask, counters
+from .timestatus import TimeStatus, time_status
 
 try:
     __version__ = version("celery-singleflight")
@@ -60,6 +70,9 @@ __all__ = [
     "QueueFull",
     "RedisUnavailable",
     "SingleFlightError",
+    "Throttled",
+    "Superseded",
+    "UnstableKeyError",
     # keys
     "MAX_KEY_LENGTH",
     "KeyLayout",
@@ -72,9 +85,13 @@ __all__ = [
     "Holder",
     "Lease",
     "LeaseStore",
+    "Parked",
+    "Settlement",
     # outcomes
     "SkippedRun",
     "is_skipped",
+    "CoalescedRun",
+    "is_coalesced",
     # status, progress and operations
     "KeyStatus",
     "StatusReader",
@@ -90,7 +107,13 @@ __all__ = [
     # outside tasks
     "HoldLease",
     "hold",
-    # signals module
+    # time policies
+    "DebouncedRun",
+    "TimeStatus",
+    "is_debounced",
+    "time_status",
+    # modules: signals, custom states and their meta
     "signals",
+    "states",
     "__version__",
 ]

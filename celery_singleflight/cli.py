@@ -5,13 +5,18 @@ the app's own configuration::
 
     celery -A proj singleflight ls [--prefix P] [--json]       the held keys, one row per run
     celery -A proj singleflight show KEY [--json]              everything known about one key
+    celery -A proj singleflight show --task NAME ARGS...        the same, by the task's arguments
     celery -A proj singleflight watch KEY [--slot N | --holder ID] [--json] [--timeout S]
                                                                 follow a run live until it ends
     celery -A proj singleflight release KEY [--slot N | --holder ID] [--force] [--json]
                                                                 free a key whoever holds it
 
-KEY is the rendered key exactly as ``ls`` prints it: string values keep their JSON quotes, so
-the key of ``lock_key="job:<name>"`` called with ``name="a"`` is ``'job:"a"'`` in a shell.
+KEY is the rendered key as ``ls`` prints it: ``job:a`` for ``lock_key="job:<name>"`` called with
+``name="a"`` (a string that is not a plain name keeps its JSON quotes: ``'job:"a b"'``). With
+``--task NAME``, ``show``, ``watch`` and ``release`` take the task's arguments instead, bound as
+the task binds them: each word is read as JSON when it parses (``42``, ``'"42"'``, ``'[1,2]'``),
+else as a string, and ``param=value`` passes ``param`` by name
+(``celery -A proj singleflight show --task proj.sync_account 42``).
 
 A key of a task with ``max_concurrency=N`` > 1 has one lease per slot (0 to N-1). ``ls`` lists
 every held slot as its own row (with a SLOT column when a row's slot is not 0), ``show`` prints
@@ -49,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import getpass
+import inspect
 import json
 import logging
 import os
@@ -62,10 +68,14 @@ import click
 import redis
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
+from .acl import acl_rule
+from .clients import redis_database
 from .connection import redacted_url
-from .errors import ConfigurationError
-from .settings import redis_url_for
-from .status import KeyStatus, StatusReader, WatchEvent, app_options, reader
+from .errors import ConfigurationError, KeyTemplateError
+from .registry import guarded_tasks, known_slots
+from .settings import app_options, redis_url_for
+from .status import KeyStatus, StatusReader, WatchEvent, reader
+from .timestatus import TimeStatus, read_time_status
 
 __all__ = [
     "EXIT_AMBIGUOUS",
@@ -200,15 +210,34 @@ def status_lines(st: KeyStatus, now: float | None = None, slot: bool | None = No
         ("queued", str(st.queued)),
         ("released by", st.released_by or "-"),
         ("args", "-" if st.args is None else _json(st.args, indent=None)),
+        ("previous", "-" if st.previous_task_id is None
+         else f"{st.previous_task_id} ({st.previous_outcome or '?'})"),
     ]
+    if st.superseded_by:  # only for a superseded run (on_duplicate="supersede")
+        rows.append(("superseded by", st.superseded_by))
     shown = {"key", "held", "state", "outcome", "task_id", "task_name", "worker", "host", "pid", "fence",
              "current", "total", "percent", "message", "fields", "started", "updated", "ended", "age",
-             "ttl_left", "queued", "released_by", "args", "slot"}
+             "ttl_left", "queued", "released_by", "args", "slot", "previous_task_id", "previous_outcome",
+             "superseded_by"}
     for name, value in st.as_dict().items():  # fields added to KeyStatus later
         if name not in shown:
             rows.append((name.replace("_", " "), "-" if value is None else _json(value, indent=None)))
     width = max(len(name) for name, _ in rows) + 1
     return [f"{(name + ':').ljust(width)} {value}" for name, value in rows]
+
+
+def time_lines(ts: TimeStatus, now: float | None = None) -> list[str]:
+    """The ``show`` lines of a key's time policies: its open debounce burst and its rate state."""
+    lines = []
+    if ts.debounce is not None:
+        burst = ts.debounce
+        lines.append(f"debounce:    {burst.calls} call(s) folded since {when(burst.first, now)},"
+                     f" run planned {when(burst.planned, now)} as {_short(burst.leader)}")
+    if ts.rate is not None:
+        rate = ts.rate
+        lines.append(f"rate limit:  next free slot {when(rate.next_free, now)}, {rate.planned} run(s) planned"
+                     f" ({rate.per_second:g}/s)")
+    return lines
 
 
 def event_line(event: WatchEvent) -> str:
@@ -303,30 +332,66 @@ def _not_held(
         ended = f"{duration(time.time() - st.ended)} ago" if st.ended is not None else "earlier"
         _exit(ctx, EXIT_NOT_HELD, f"{where} {verb}: its last run ended {st.outcome or st.state} {ended}")
     hint = ""
-    if _DIGEST_MARK not in key and '"' not in key:
+    if _DIGEST_MARK not in key:
         hint = (
-            "\nhint: give the key exactly as `celery singleflight ls` shows it;"
-            " string values keep their JSON quotes (e.g. 'job:\"a\"')"
+            "\nhint: give the key as `celery singleflight ls` shows it (a plain name renders bare:"
+            " job:a, not job:\"a\"), or name the task and its arguments: --task NAME ARGS..."
         )
     _exit(ctx, EXIT_NOT_HELD, f"{where} {verb}: nothing is known about it{hint}")
 
 
-def _known_slots(app: Any) -> int:
-    """The most slots a key of ``app`` can have: the largest ``max_concurrency`` of its setting
-    and of its registered singleflight tasks."""
-    from .task import guarded_tasks
+def _target(ctx: click.Context, words: tuple[str, ...], task_name: str | None) -> tuple[str, StatusReader]:
+    """The key named on the command line (one word), or rendered from a task's arguments with
+    ``--task``, and the reader of its namespace (a task may have its own ``lock_namespace``)."""
+    if task_name is None:
+        if len(words) != 1:
+            _exit(ctx, EXIT_CONFIG, "Error: give one KEY (as `ls` prints it), or --task NAME and its"
+                  " arguments")
+        return words[0], _reader(ctx)
+    app = _app(ctx)
+    tasks = {task.name: task for task in guarded_tasks(app)}
+    task = tasks.get(task_name)
+    if task is None:
+        known = ", ".join(tasks) or "none"
+        _exit(ctx, EXIT_CONFIG,
+              f"Error: no SingleFlightTask named {task_name!r} in this app (guarded tasks: {known})")
+    args, kwargs = _call_of(words, task)
+    try:
+        key = str(task.render_key(*args, **kwargs))
+    except (KeyTemplateError, TypeError) as exc:
+        _exit(ctx, EXIT_CONFIG, f"Error: {task_name} {' '.join(words)}: {exc}")
+    return key, StatusReader(task.store, app)
 
-    most = app_options(app).max_concurrency
-    for task in guarded_tasks(app):
-        with contextlib.suppress(ValueError):  # a task with a bad option: not ours to report
-            most = max(most, task.options.max_concurrency)
-    return most
+
+def _call_of(words: tuple[str, ...], task: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Positional and keyword arguments from command-line words: JSON where a word parses as
+    JSON, else the word as a string; ``param=value`` for a parameter of the task."""
+    def value(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    try:
+        params = inspect.signature(task.run).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for word in words:
+        name, sep, text = word.partition("=")
+        if sep and name.isidentifier() and (name in params or takes_any):
+            kwargs[name] = value(text)
+        else:
+            args.append(value(word))
+    return args, kwargs
 
 
 def _held_runs(ctx: click.Context, status_reader: StatusReader, key: str) -> list[KeyStatus]:
     """Every held slot of KEY, by slot, in one round trip: the slots the app's tasks can have are
     read directly (no SCAN, whose cost grows with the whole keyspace, and no +scan needed)."""
-    return status_reader.read_all(key, slots=_known_slots(_app(ctx)))
+    return status_reader.read_all(key, slots=known_slots(_app(ctx)))
 
 
 def _held_text(runs: Iterable[KeyStatus]) -> str:
@@ -396,10 +461,10 @@ _holder_option = _option(
 def singleflight(ctx: click.Context, /, **kwargs: Any) -> None:
     """See and operate celery_singleflight keys: who holds them, their progress, force-release.
 
-    KEY is the rendered key as `ls` shows it (string values keep their JSON quotes, so quote
-    it for the shell: 'job:"a"'). Exit codes: 0 ok, 1 not held / aborted, 2 configuration,
-    3 Redis unreachable, 4 watched run did not succeed, 5 watch timed out, 6 several slots of
-    the key are held: choose one with --slot or --holder.
+    KEY is the rendered key as `ls` shows it (job:a; a string that is not a plain name keeps its
+    JSON quotes: 'job:"a b"'), or --task NAME followed by the task's arguments. Exit codes: 0 ok,
+    1 not held / aborted, 2 configuration, 3 Redis unreachable, 4 watched run did not succeed,
+    5 watch timed out, 6 several slots of the key are held: choose one with --slot or --holder.
     """
     if not logging.getLogger().handlers:
         # an operator's action (force-release) is logged with when and at which level
@@ -430,11 +495,18 @@ def ls(ctx: click.Context, prefix: str, as_json: bool) -> None:
         click.echo(line)
 
 
+_task_option = _option(
+    "--task", "task_name", default=None, metavar="NAME",
+    help="Name a task: the arguments that follow are its arguments, and the key is rendered from them.",
+)
+
+
 @singleflight.command(cls=CeleryCommand)
-@click.argument("key")
+@click.argument("words", nargs=-1, metavar="KEY | --task NAME ARGS...")
+@_task_option
 @_json_option
 @click.pass_context
-def show(ctx: click.Context, key: str, as_json: bool) -> None:
+def show(ctx: click.Context, words: tuple[str, ...], task_name: str | None, as_json: bool) -> None:
     """Everything known about KEY: holder, state, progress, times (ISO and relative).
 
     Exits 0 when the key is held and 1 when it is not: for a run that ended (its status is kept
@@ -445,11 +517,15 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     its slot); --json prints the first held slot's status with all of them under "slots".
     """
     with _handled(ctx):
-        status_reader = _reader(ctx)
+        key, status_reader = _target(ctx, words, task_name)
         runs = _held_runs(ctx, status_reader, key)
         st = runs[0] if runs else status_reader.read(key)
+        timing = read_time_status(status_reader.store, key)
     if as_json:
-        click.echo(_json(None if st is None else {**st.as_dict(), "slots": [r.as_dict() for r in runs]}))
+        shown = None if st is None else {**st.as_dict(), "slots": [r.as_dict() for r in runs]}
+        if not timing.empty:
+            shown = {**(shown or {"key": key}), "time": timing.as_dict()}
+        click.echo(_json(shown))
     elif runs:
         several = len(runs) > 1
         for i, run in enumerate(runs):
@@ -460,12 +536,16 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     elif st is not None:
         for line in status_lines(st):
             click.echo(line)
+    if not as_json:
+        for line in time_lines(timing):
+            click.echo(line)
     if not runs:
         _not_held(ctx, key, st)
 
 
 @singleflight.command(cls=CeleryCommand)
-@click.argument("key")
+@click.argument("words", nargs=-1, metavar="KEY | --task NAME ARGS...")
+@_task_option
 @_slot_option
 @_holder_option
 @_json_option
@@ -475,7 +555,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
 )
 @click.pass_context
 def watch(
-    ctx: click.Context, key: str, slot: int | None, holder: str | None, as_json: bool, timeout: float | None
+    ctx: click.Context, words: tuple[str, ...], task_name: str | None, slot: int | None, holder: str | None,
+    as_json: bool, timeout: float | None,
 ) -> None:
     """Follow the run holding KEY live (its history first) until it ends.
 
@@ -487,7 +568,7 @@ def watch(
     """
     no_color = bool(getattr(ctx.obj, "no_color", False))
     with _handled(ctx):
-        status_reader = _reader(ctx)
+        key, status_reader = _target(ctx, words, task_name)
         st = _choose_run(ctx, status_reader, key, slot, holder)
         events = status_reader.watch(key, timeout=timeout, slot=st.slot)
         if as_json:
@@ -585,14 +666,16 @@ def _follow_rich(st: KeyStatus, events: Iterator[WatchEvent], no_color: bool) ->
 
 
 @singleflight.command(cls=CeleryCommand)
-@click.argument("key")
+@click.argument("words", nargs=-1, metavar="KEY | --task NAME ARGS...")
+@_task_option
 @_slot_option
 @_holder_option
 @_option("-f", "--force", is_flag=True, help="Do not ask for confirmation.")
 @_json_option
 @click.pass_context
 def release(
-    ctx: click.Context, key: str, slot: int | None, holder: str | None, force: bool, as_json: bool
+    ctx: click.Context, words: tuple[str, ...], task_name: str | None, slot: int | None, holder: str | None,
+    force: bool, as_json: bool,
 ) -> None:
     """Force-release KEY, whoever holds it: the key is free at once.
 
@@ -607,6 +690,8 @@ def release(
     and the held slots are listed (exit 6; --json lists them under "held").
     """
     by = released_by()
+    with _handled(ctx):
+        key, status_reader = _target(ctx, words, task_name)
 
     def failed(runs: list[KeyStatus]) -> None:
         if as_json:
@@ -616,7 +701,6 @@ def release(
             click.echo(_json(answer))
 
     with _handled(ctx):
-        status_reader = _reader(ctx)
         st = _choose_run(ctx, status_reader, key, slot, holder, failed)
         click.echo(holder_text(st), err=as_json)
         if not force:
@@ -629,7 +713,9 @@ def release(
                 confirmed = False
             if not confirmed:
                 _exit(ctx, EXIT_NOT_HELD, "aborted")
-        released = status_reader.force_release(key, by, expected_holder=st.task_id or "", slot=st.slot)
+        app = _app(ctx)
+        released = status_reader.force_release(key, by, expected_holder=st.task_id or "", slot=st.slot,
+                                               slots=known_slots(app), ttl=app_options(app).ttl)
     if as_json:
         answer: dict[str, Any] = {"key": key, "released": released is not None, "task_id": released, "by": by}
         if st.slot:
@@ -644,3 +730,30 @@ def release(
         _not_held(ctx, key, now, verb="was not released", slot=st.slot)
     if not as_json:
         click.echo(f"released {where}, held by task {released}")
+
+
+@singleflight.command(cls=CeleryCommand)
+@_option("--user", default="singleflight", metavar="USER", help="The ACL user name (default: singleflight).")
+@_option("--password", default="PASSWORD", metavar="PASSWORD",
+         help="The password to put in the rule (default: the placeholder PASSWORD).")
+@click.pass_context
+def acl(ctx: click.Context, user: str, password: str) -> None:
+    """Print the least-privilege Redis ACL rule for the app's lease Redis.
+
+    The user may touch only the keys of the app's namespace and run only the commands the library
+    sends (docs: Operations). Adds SELECT when the lease database is not 0, the commands of
+    redis-py's cluster client for a Cluster, and those of the time policies when a task uses one.
+    Run the line printed on every node (a Cluster) or the master (Sentinel: replicas take ACLs
+    from their own config, not by replication).
+    """
+    with _handled(ctx):
+        app = _app(ctx)
+        opts = app_options(app)
+        target = opts.redis
+        database = 0
+        if target.scheme in ("redis", "rediss", "unix", "sentinel"):
+            database = redis_database(target.url)
+        timed = any(task._sf_rate is not None or task._sf_debounce is not None for task in guarded_tasks(app))
+        rule = acl_rule(opts.namespace, password, database=database, cluster=target.cluster,
+                        time_policies=timed)
+    click.echo(f"ACL SETUSER {user} " + " ".join(rule))

@@ -3,12 +3,15 @@
     SingleFlightError
     ├── ConfigurationError      (bad setting or task option; raised at definition / worker start)
     │   └── KeyTemplateError    (a lock_key template that cannot be rendered)
+    │       └── UnstableKeyError (an argument whose rendering holds a memory address)
     ├── LockHeld                (the `raise` outcome of a duplicate: key, holder, time left)
     │   └── QueueFull           (the `queue` policy's overflow outcome: max_queued runs wait)
     ├── LeaseLost               (the lease of the running task is gone)
+    │   └── Superseded          (a newer run of the key took over: ``on_duplicate="supersede"``)
     ├── NotInsideRun            (lease/progress used outside a SingleFlightTask run)
     ├── ProgressError           (a progress() call with bad values; also a ValueError)
-    └── RedisUnavailable        (Redis could not be reached and the task failed closed)
+    ├── RedisUnavailable        (Redis could not be reached and the task failed closed)
+    └── Throttled               (the ``RETRY`` meta of a run over its key_rate_limit: not a failure)
 
 Celery serializes task exceptions as (type, module, args) and rebuilds them on the caller
 side, so every constructor passes all of its arguments to ``super().__init__``.
@@ -26,6 +29,9 @@ __all__ = [
     "QueueFull",
     "RedisUnavailable",
     "SingleFlightError",
+    "Throttled",
+    "Superseded",
+    "UnstableKeyError",
 ]
 
 
@@ -39,6 +45,10 @@ class ConfigurationError(SingleFlightError, ValueError):
 
 class KeyTemplateError(ConfigurationError):
     """A lock key template names something the task does not have, or renders badly."""
+
+
+class UnstableKeyError(KeyTemplateError):
+    """An argument renders differently per process (a memory address): the key would drift."""
 
 
 class LockHeld(SingleFlightError):
@@ -82,6 +92,27 @@ class LeaseLost(SingleFlightError):
         return f"lease on key {self.key!r} was lost" + (f": {self.reason}" if self.reason else "")
 
 
+class Superseded(LeaseLost):
+    """A newer run of the key (``by``) superseded this one (``on_duplicate="supersede"``): stop
+    soon; after ``supersede_grace`` seconds from ``at`` (epoch seconds) the run is revoked."""
+
+    def __init__(
+        self, key: str, by: str = "", at: float | None = None, grace_left: float | None = None
+    ) -> None:
+        SingleFlightError.__init__(self, key, by, at, grace_left)
+        self.key = key
+        self.by = by
+        self.at = at
+        self.grace_left = grace_left
+        self.reason = f"superseded by task {by or '<unknown>'}"
+
+    def __str__(self) -> str:
+        left = ""
+        if self.grace_left is not None:
+            left = f"; revoked in {max(self.grace_left, 0.0):.1f}s unless it ends"
+        return f"run on key {self.key!r} was superseded by task {self.by or '<unknown>'}{left}"
+
+
 class NotInsideRun(SingleFlightError):
     """``self.lease`` or a lease operation was used outside a guarded run."""
 
@@ -91,7 +122,8 @@ class ProgressError(SingleFlightError, ValueError):
 
 
 class RedisUnavailable(SingleFlightError):
-    """Redis could not be reached for ``key`` and the task fails closed."""
+    """Redis could not serve ``key`` (unreachable, or refusing for now: OOM, READONLY, LOADING,
+    ...) and the run did not go ahead unguarded (``fail_closed``, or a ``hold()``)."""
 
     def __init__(self, key: str, detail: str = "", waited: float = 0.0) -> None:
         super().__init__(key, detail, waited)
@@ -101,6 +133,27 @@ class RedisUnavailable(SingleFlightError):
 
     def __str__(self) -> str:
         return (
-            f"Redis unreachable while guarding key {self.key!r} for {self.waited:.1f}s"
-            f" (fail_closed): {self.detail}"
+            f"Redis could not guard key {self.key!r} for {self.waited:.1f}s: {self.detail}. Nothing ran"
+            " unguarded (fail_closed); check that Redis is reachable, has memory left and is a primary"
         )
+
+
+class Throttled(SingleFlightError):
+    """A run over its key's ``key_rate_limit``: re-sent to start at ``planned`` (epoch seconds),
+    ``wait`` seconds after it came. Never raised to a caller: it is the ``RETRY`` state's meta
+    (Celery stores an exception there), readable as ``AsyncResult.info.throttled``."""
+
+    def __init__(self, key: str, limit: str = "", planned: float = 0.0, wait: float = 0.0) -> None:
+        super().__init__(key, limit, planned, wait)
+        self.key = key
+        self.limit = limit
+        self.planned = planned
+        self.wait = wait
+
+    @property
+    def throttled(self) -> dict[str, object]:
+        """The meta as a dict: key, limit, planned, wait."""
+        return {"key": self.key, "limit": self.limit, "planned": self.planned, "wait": self.wait}
+
+    def __str__(self) -> str:
+        return f"key {self.key!r} is over key_rate_limit={self.limit}: starts in {self.wait:.3f}s"

@@ -4,6 +4,8 @@ The thread starts lazily with the first lease, so a prefork child gets its own a
 It ticks every ``min(interval)`` of the held leases; a tick renews all of them with one script
 call. A renewal that finds a lease gone marks it lost; a Redis error is retried about every
 second until the lease's own time is up, and then the lease is marked lost too: never silently.
+Any other exception in one pass is logged with its traceback and the thread goes on renewing:
+one broken lease or flush must not leave every other lease of the process to expire.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import weakref
 
 import redis
 
-from .lease import Lease, LeaseStore
+from .connection import last_attempt_sent
+from .lease import Lease, learn_superseded
+from .store import LeaseStore
 
 __all__ = ["Heartbeat", "heartbeat_for"]
 
@@ -40,6 +44,7 @@ class Heartbeat:
         #: that a lease added meanwhile is always seen
         self._planned = float("inf")
         self.rounds = 0  # renewal round trips made; read by tests and benchmarks
+        self.wakeups = 0  # times the thread woke up before its planned look (an add, a flush)
 
     def add(self, lease: Lease) -> None:
         """Renew ``lease`` from now on. The thread is woken only if its next look at the leases
@@ -47,6 +52,9 @@ class Heartbeat:
         a thread wake-up each."""
         with self._lock:
             self._leases.add(lease)
+            # the tick is known from the first lease on, even if that lease is gone before the
+            # thread looks: else every short run would find the thread unplanned and wake it
+            self._tick = min(self._tick, lease.interval)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="singleflight-heartbeat", daemon=True
@@ -78,14 +86,22 @@ class Heartbeat:
             thread.join(timeout=5)
 
     def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._loop()
+            except Exception:
+                log.exception("heartbeat pass failed; renewing on")
+                self._stop.wait(_ERROR_RETRY)
+
+    def _loop(self) -> None:
         inf = float("inf")
         next_renew = inf
         while not self._stop.is_set():
             with self._lock:
                 self._planned = min(next_renew, self._flush_at)
             wait = self._planned - mod_time.monotonic()
-            if wait > 0:
-                self._wake.wait(None if wait == inf else wait)
+            if wait > 0 and self._wake.wait(None if wait == inf else wait):
+                self.wakeups += 1
             with self._lock:
                 self._planned = inf
             self._wake.clear()
@@ -137,17 +153,25 @@ class Heartbeat:
         sent = mod_time.monotonic()
         try:
             results = self.store.renew(leases)
-        except redis.RedisError as exc:
-            log.warning("could not renew %d lease(s), retrying: %s", len(leases), exc)
+        except Exception as exc:
+            if isinstance(exc, redis.RedisError):
+                log.warning("could not renew %d lease(s), retrying: %s", len(leases), exc)
+                why = f"Redis unreachable until the lease expired ({exc})"
+            else:
+                log.exception("could not renew %d lease(s), retrying", len(leases))
+                why = f"renewals failed until the lease expired ({exc!r})"
             for lease in leases:
                 if mod_time.monotonic() >= lease.deadline:
-                    lease.mark_lost(f"Redis unreachable until the lease expired ({exc})")
+                    lease.mark_lost(why)
             return min(_ERROR_RETRY, self._tick)
         finally:
             self.rounds += 1
+        sent = last_attempt_sent(sent)  # a renewal sent again after a lost reply renews from then
         for lease, ok in zip(leases, results, strict=True):
             if ok:
                 lease.confirmed_at = sent
+                if ok == 2 and not lease.superseded:
+                    learn_superseded(lease)
             elif not lease.released:
                 lease.mark_lost("the lease expired or was released by someone else")
                 self.discard(lease)

@@ -1,6 +1,6 @@
 """The checks a worker runs once at start against each lease Redis, and against its broker settings.
 
-They run in the worker's main process (``celeryd_after_setup``, before the pool forks), once per
+They run in the worker's main process (the library's worker bootstep, before the pool forks), once per
 distinct lease Redis used by the app's guarded tasks, on a short-lived client of their own: one
 connection attempt (2 s), no retries, so a Redis that is down costs the start seconds at most.
 
@@ -48,7 +48,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import scripts
+from .clients import RedisTarget, build_client, is_cluster, target_from_settings
 from .connection import UNREACHABLE, redacted_url
+from .errors import ConfigurationError
+from .guard import options_store
+from .registry import guarded_tasks
 
 __all__ = [
     "MAX_CLOCK_SKEW",
@@ -133,33 +137,39 @@ class _LeaseRedis:
     url: str
     client: redis.Redis
     tasks: list[Any] = field(default_factory=list)
+    target: RedisTarget | None = None
 
     @property
     def shown(self) -> str:
-        return redacted_url(self.url)
+        return self.target.describe() if self.target is not None else redacted_url(self.url)
 
 
 def _lease_redises(app: Any) -> list[_LeaseRedis]:
     """The distinct lease Redis clients of the app's guarded tasks (one per URL and process)."""
-    from .task import _options_store, guarded_tasks
-
     found: dict[int, _LeaseRedis] = {}
     for task in guarded_tasks(app):
         opts = task.options
-        client = _options_store(opts).client
+        client = options_store(opts).client
         target = found.get(id(client))
         if target is None:
-            target = found[id(client)] = _LeaseRedis(opts.redis_url, client)
+            target = found[id(client)] = _LeaseRedis(opts.redis_url, client, target=opts.redis)
         target.tasks.append(task)
     return list(found.values())
 
 
-def _probe_client(url: str) -> redis.Redis:
-    """A client of its own for the checks: one attempt, short timeouts, closed afterwards."""
-    return redis.Redis.from_url(
-        url, socket_connect_timeout=PROBE_CONNECT_TIMEOUT, socket_timeout=PROBE_SOCKET_TIMEOUT,
-        retry=Retry(NoBackoff(), 0), health_check_interval=0,
-    )
+def _probe_client(target: _LeaseRedis) -> Any:
+    """A client of its own for the checks: one attempt, short timeouts, closed afterwards (built
+    like the lease client: TLS, Sentinel, Cluster; a client factory's own client is used as is)."""
+    settings = target.target or target_from_settings(target.url)
+    if settings.factory is not None:
+        return target.client
+    common: dict[str, Any] = {
+        "socket_connect_timeout": PROBE_CONNECT_TIMEOUT, "socket_timeout": PROBE_SOCKET_TIMEOUT,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if not settings.cluster:
+        common["health_check_interval"] = 0
+    return build_client(settings, common)
 
 
 class _Unreachable(Exception):
@@ -292,7 +302,7 @@ def _clock(client: redis.Redis, shown: str) -> tuple[float, Finding | None]:
 
 
 def _scripts() -> list[str]:
-    return [text for name in scripts.__all__ if isinstance(text := getattr(scripts, name, None), str)]
+    return list(scripts.ALL_SCRIPTS)
 
 
 def _load_scripts(client: redis.Redis) -> int:
@@ -351,7 +361,9 @@ def _ttl_findings(target: _LeaseRedis) -> list[Finding]:
 def _check_lease_redis(target: _LeaseRedis) -> list[Finding]:
     """The checks of one lease Redis, over a probe client of their own."""
     shown = target.shown
-    client = _probe_client(target.url)
+    client = _probe_client(target)
+    if is_cluster(client):
+        return _check_cluster(target, client)
     try:
         try:
             client.ping()
@@ -361,8 +373,33 @@ def _check_lease_redis(target: _LeaseRedis) -> list[Finding]:
             return [_refusal(target, exc, "on every connection")]
         return _check_reachable(target, client, shown)
     finally:
-        with contextlib.suppress(Exception):
-            client.close()
+        if client is not target.client:
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+def _check_cluster(target: _LeaseRedis, cluster: Any) -> list[Finding]:
+    """The checks of each primary of a Cluster, each over a plain client of that node."""
+    findings: list[Finding] = []
+    try:
+        try:
+            primaries = cluster.get_primaries()
+        except UNREACHABLE as exc:
+            return [_unreachable(target, exc)]
+        for node in primaries:
+            client = node.redis_connection
+            shown = f"{target.shown} (primary {node.host}:{node.port})"
+            try:
+                client.ping()
+            except UNREACHABLE as exc:
+                findings.append(_unreachable(target, exc))
+                continue
+            findings += _check_reachable(target, client, shown)
+        return findings
+    finally:
+        if cluster is not target.client:
+            with contextlib.suppress(Exception):
+                cluster.close()
 
 
 def _check_reachable(target: _LeaseRedis, client: redis.Redis, shown: str) -> list[Finding]:
@@ -468,8 +505,6 @@ def _broker(app: Any) -> tuple[str, str]:
 
 def visibility_findings(app: Any, worker_time_limit: float | None = None) -> list[Finding]:
     """One WARNING when guarded ``acks_late`` tasks can outlive the broker's visibility timeout."""
-    from .task import guarded_tasks
-
     transport, url = _broker(app)
     if transport not in _VISIBILITY_DEFAULTS:
         return []
@@ -539,8 +574,6 @@ def run_at_worker_start(app: Any, worker: Any = None) -> list[Finding]:
     Raises :class:`~celery_singleflight.errors.ConfigurationError` with the first refusal's
     sentence (further refusals are logged at ERROR); anything else is only logged.
     """
-    from .errors import ConfigurationError
-
     limit = getattr(worker, "time_limit", None)
     limit = limit if isinstance(limit, (int, float)) else None
     run = partial(preflight, app, worker_time_limit=limit)

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import ProgressError
 
-__all__ = ["ProgressReporter", "ProgressUpdate", "make_update"]
+__all__ = ["ProgressReporter", "ProgressUpdate", "make_update", "result_meta"]
 
 _MAX_STATE = 64
 
@@ -52,18 +52,22 @@ class ProgressUpdate:
             out["fields"] = self.fields
         return out
 
-    def status_fields(self) -> list[Any]:
-        """Flat field/value pairs for the status hash."""
-        pairs: list[Any] = ["state", self.state]
-        for name in ("current", "total", "message"):
-            value = getattr(self, name)
-            if value is not None:
-                pairs += [name, json.dumps(value) if name != "message" else value]
-        if self.fields:
-            pairs += ["fields", json.dumps(self.fields, sort_keys=True)]
-        if self.args is not None:
-            pairs += ["args", self.args]
-        return pairs
+
+def result_meta(data: dict[str, Any], key: str, fence: int | None) -> dict[str, Any]:
+    """The ``PROGRESS`` meta of a run in the result backend (``AsyncResult.info``).
+
+    ``data`` is the written update (state, current, total, percent, message, fields); the meta
+    adds the run's key and fence, and what celery-progress bars read (its ``ProgressRecorder``
+    stores the same names): ``current``, ``total`` and ``percent`` always as numbers, 0 when the
+    run did not report them (the key's status keeps None there), ``pending`` False and
+    ``description``, the message or else the state.
+    """
+    meta = {**data, "key": key, "fence": fence, "pending": False,
+            "description": data.get("message") or data.get("state") or ""}
+    for name in ("current", "total", "percent"):
+        if meta.get(name) is None:
+            meta[name] = 0
+    return meta
 
 
 def _number(name: str, value: Any) -> float | None:

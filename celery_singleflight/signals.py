@@ -2,7 +2,10 @@
 
 Senders are task names (strings), so receivers can filter with ``sender="proj.tasks.sync"``.
 ``duplicate``'s ``outcome`` is a stable code (skipped, raised, retry, queued, queue-full, joined,
-redelivery, remembered); its ``detail`` is a sentence for people.
+redelivery, remembered, coalesced, superseding, superseded); its ``detail`` is a sentence for
+people. ``lease_superseded`` is sent in the superseded run's process when it learns a newer run
+(``by``) took over; ``order_gap_skipped`` in a worker's main process (sender: the key) when
+sequence numbers of an ``ordered=True`` key that never arrived are skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ __all__ = [
     "lease_force_released",
     "lease_lost",
     "lease_released",
+    "lease_superseded",
+    "order_gap_skipped",
     "unguarded_run",
 ]
 
@@ -28,4 +33,8 @@ duplicate = Signal(
 unguarded_run = Signal(name="singleflight_unguarded_run", providing_args={"key", "task_id", "error"})
 lease_force_released = Signal(
     name="singleflight_lease_force_released", providing_args={"key", "task_id", "fence", "by"}
+)
+lease_superseded = Signal(name="singleflight_lease_superseded", providing_args={"lease", "by"})
+order_gap_skipped = Signal(
+    name="singleflight_order_gap_skipped", providing_args={"key", "sequences", "waited"}
 )

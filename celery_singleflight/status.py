@@ -10,14 +10,15 @@
     for st in status_all(app, "sync:42"):  # every held slot of a max_concurrency > 1 key
         ...
 
-A read is one round trip (a pipeline of HGETALL lease, PTTL lease, HGETALL status). Watching
-replays the run's history stream and then blocks on it with ``XREAD`` from the last entry seen, so
-nothing between "read" and "subscribe" is missed; it ends with the run. Listing uses ``SCAN``
-over the namespace's lease keys, never ``KEYS`` (see docs/status.md for why not an index).
+A read is one round trip (a pipeline of the server's ``TIME``, the slot's run record and the
+queue's length). Watching replays the run's history stream and then blocks on it with ``XREAD``
+from the last entry seen, so nothing between "read" and "subscribe" is missed; it ends with the
+run. Listing uses ``SCAN`` over the namespace's run records, never ``KEYS`` (see docs/status.md
+for why not an index).
 
-A key with ``max_concurrency=N`` > 1 has one lease per slot (``lease``, ``lease1`` ...
-``lease{N-1}``), each with its own status and history. ``held()`` lists one :class:`KeyStatus`
-per held slot (``slot`` says which); ``read(key)`` reads slot 0 (``read(key, slot=2)`` another),
+A key with ``max_concurrency=N`` > 1 has one run record per slot (``run``, ``run1`` ...
+``run{N-1}``), each with its own history. ``held()`` lists one :class:`KeyStatus` per held slot
+(``slot`` says which); ``read(key)`` reads slot 0 (``read(key, slot=2)`` another),
 ``read_all(key)`` every held slot.
 """
 
@@ -32,9 +33,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import signals
+from .cluster import clocks_ms
+from .errors import LeaseLost
 from .keys import stored_key
-from .lease import LeaseStore
-from .settings import Options, resolve_options
+from .registry import known_slots
+from .settings import app_options
+from .settle import Ending, settle
+from .store import LeaseStore, store_for
 
 __all__ = [
     "KeyStatus",
@@ -50,8 +55,8 @@ __all__ = [
 
 log = logging.getLogger("celery_singleflight.release")
 _TERMINAL_KINDS = ("end",)
-#: the part of a lease's Redis key: ``lease`` (slot 0) or ``lease<slot>`` (slot >= 1, no leading 0)
-_LEASE_PART = re.compile(r"lease(?:[1-9][0-9]*)?")
+#: the part of a run record's Redis key: ``run`` (slot 0) or ``run<slot>`` (slot >= 1, no leading 0)
+_RUN_PART = re.compile(r"run(?:[1-9][0-9]*)?")
 _BATCH = 200
 
 
@@ -101,6 +106,9 @@ class KeyStatus:
     released_by: str | None = None
     args: Any = None  # only when the task opts in (status_include_args)
     slot: int = 0  # which of the key's max_concurrency slots this run holds (0 for most keys)
+    previous_task_id: str | None = None  # the run on this slot before this one
+    previous_outcome: str | None = None  # how it ended (succeeded, failed, revoked, expired, ...)
+    superseded_by: str | None = None  # on_duplicate="supersede": the newest run that took over this one
 
     @property
     def age(self) -> float | None:
@@ -137,47 +145,63 @@ class WatchEvent:
 
 
 def _combine(
-    key: str, lease: dict[str, str], pttl: int, st: dict[str, str], queued: int = 0, slot: int = 0
+    key: str, record: dict[str, Any], now_ms: int, queued: int = 0, slot: int = 0
 ) -> KeyStatus | None:
-    if not lease and not st and not queued:
+    """The status of one slot from its run record, at server time ``now_ms``."""
+    if not record and not queued:
         return None
-    is_held = bool(lease)
-    same_run = bool(st) and (not is_held or st.get("fence") == lease.get("fence"))
-    run = st if same_run else {}
-    holder = lease if is_held else st
-    state = run.get("state") or ("running" if is_held else "unknown")
-    if lease.get("reserved") == "1":
+    token = record.get("token")
+    deadline = int(record.get("deadline") or 0)
+    is_held = bool(token) and deadline > now_ms
+    ran_out = bool(token) and not is_held
+    state = record.get("state") or ("running" if is_held else "unknown")
+    if record.get("reserved"):
         state = "handing-off"  # reserved for the next parked run, which has not started yet
-    current, total = _num(run.get("current")), _num(run.get("total"))
+    progress = json.loads(record["progress"]) if record.get("progress") else {}
+    current, total = progress.get("current"), progress.get("total")
     percent = round(100.0 * current / total, 2) if current is not None and total else None
-    pid = holder.get("pid")
-    fence = holder.get("fence")
+    pid, fence = record.get("pid"), record.get("fence")
+    outcome = None if is_held else (record.get("outcome") or ("expired" if ran_out else None))
     return KeyStatus(
         key=key,
         held=is_held,
         state=state,
-        task_id=holder.get("task_id") or None,
-        task_name=holder.get("task_name") or None,
-        worker=holder.get("worker") or None,
-        host=holder.get("host") or None,
+        task_id=record.get("task_id") or None,
+        task_name=record.get("task_name") or None,
+        worker=record.get("worker") or None,
+        host=record.get("host") or None,
         pid=int(pid) if pid else None,
         fence=int(fence) if fence else None,
         current=current,
         total=total,
         percent=percent,
-        message=run.get("message"),
-        fields=json.loads(run["fields"]) if run.get("fields") else {},
-        started=_ms_to_s(holder.get("since") if is_held else holder.get("started")),
-        updated=_ms_to_s(run.get("updated")),
-        ended=None if is_held else _ms_to_s(run.get("ended")),
-        outcome=None if is_held else run.get("outcome"),
-        ttl_left=max(0, pttl) / 1000.0 if is_held else None,
+        message=progress.get("message"),
+        fields=progress.get("fields") or {},
+        started=_ms_to_s(record.get("since")),
+        updated=_ms_to_s(record.get("updated")),
+        ended=None if is_held else _ms_to_s(record.get("ended")),
+        outcome=outcome,
+        ttl_left=(deadline - now_ms) / 1000.0 if is_held else None,
         queued=queued,
-        duplicates=int(run.get("duplicates") or 0),
-        released_by=run.get("released_by"),
-        args=json.loads(run["args"]) if run.get("args") else None,
+        duplicates=int(record.get("duplicates") or 0),
+        released_by=record.get("released_by"),
+        args=json.loads(record["args"]) if record.get("args") else None,
         slot=slot,
+        previous_task_id=record.get("prev_task_id") or None,
+        previous_outcome=record.get("prev_outcome") or None,
+        superseded_by=record.get("sup_by") or None,
     )
+
+
+def _record(raw: Any) -> dict[str, Any]:
+    """A run record, or nothing for a value that is not one (a foreign key of that name)."""
+    if not raw:
+        return {}
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _glob_escape(text: str) -> str:
@@ -214,31 +238,32 @@ def _run_events(entries: Any, fence: int | None, cursor: list[str]) -> Iterator[
 class StatusReader:
     """Read, list, watch and force-release the keys of one namespace."""
 
-    def __init__(self, store: LeaseStore) -> None:
+    def __init__(self, store: LeaseStore, app: Any = None) -> None:
         self.store = store
         self.client = store.client
+        self.app = app  # to send what a force-release hands on; without it the sweeper does
 
-    def _lease_slot(self, name: str) -> tuple[str, int] | None:
-        """(user key, slot) of a lease's Redis key name of this namespace, else None.
+    def _run_slot(self, name: str) -> tuple[str, int] | None:
+        """(user key, slot) of a run record's Redis key name of this namespace, else None.
 
         Only names the layout itself would produce for that user key and slot are accepted
-        (``<ns>:{<escaped key>}:lease`` or ``...:lease<slot>``), so a user key containing
-        ``}:lease1`` (escaped in the name) or a foreign name such as ``...:lease01`` is never
-        taken for a slot.
+        (``<ns>:{<escaped key>}:run`` or ``...:run<slot>``), so a user key containing ``}:run1``
+        (escaped in the name) or a foreign name such as ``...:run01`` is never taken for a slot.
         """
-        user_key = self.store.layout.user_key(name)
+        layout = self.store.layout
+        user_key = layout.user_key(name)
         if user_key is None:
             return None
         part = name.rpartition("}:")[2]
-        if not _LEASE_PART.fullmatch(part):
+        if not _RUN_PART.fullmatch(part):
             return None
-        slot = int(part[len("lease"):] or 0)
-        return (user_key, slot) if self.store.lease_key(user_key, slot) == name else None
+        slot = int(part[len("run"):] or 0)
+        return (user_key, slot) if layout.run(user_key, slot) == name else None
 
-    def _scan_leases(self, pattern: str, count: int) -> set[tuple[str, int]]:
+    def _scan_runs(self, pattern: str, count: int) -> set[tuple[str, int]]:
         found: set[tuple[str, int]] = set()
-        for raw in self.client.scan_iter(match=pattern, count=count, _type="hash"):
-            parsed = self._lease_slot(raw.decode() if isinstance(raw, bytes) else str(raw))
+        for raw in self.client.scan_iter(match=pattern, count=count, _type="string"):
+            parsed = self._run_slot(raw.decode() if isinstance(raw, bytes) else str(raw))
             if parsed is not None:
                 found.add(parsed)
         return found
@@ -246,18 +271,25 @@ class StatusReader:
     def _read_many(self, runs: list[tuple[str, int]]) -> list[KeyStatus | None]:
         """The status of each (key, slot), pipelined in batches (one round trip per batch)."""
         out: list[KeyStatus | None] = []
+        layout = self.store.layout
         for start in range(0, len(runs), _BATCH):
             batch = runs[start : start + _BATCH]
             pipe = self.client.pipeline(transaction=False)
+            if not self.store.cluster:
+                pipe.time()
             for key, slot in batch:
-                pipe.hgetall(self.store.lease_key(key, slot))
-                pipe.pttl(self.store.lease_key(key, slot))
-                pipe.hgetall(self.store.status_key(key, slot))
-                pipe.llen(self.store.queue_key(key))
+                pipe.get(layout.run(key, slot))
+                pipe.llen(layout.queue(key))
             replies = pipe.execute()
+            if self.store.cluster:  # each lease against the clock of its own node
+                clocks = clocks_ms(self.client, [layout.run(key, slot) for key, slot in batch])
+                replies = [None, *replies]
+            else:
+                seconds, micros = replies[0]
+                clocks = [int(seconds) * 1000 + int(micros) // 1000] * len(batch)
             for i, (key, slot) in enumerate(batch):
-                lease, pttl, st, queued = replies[4 * i : 4 * i + 4]
-                out.append(_combine(key, _text(lease), int(pttl), _text(st), int(queued), slot))
+                raw, queued = replies[1 + 2 * i : 3 + 2 * i]
+                out.append(_combine(key, _record(raw), clocks[i], int(queued), slot))
         return out
 
     def read(self, key: str, slot: int = 0) -> KeyStatus | None:
@@ -273,15 +305,15 @@ class StatusReader:
     def read_all(self, key: str, slots: int | None = None, count: int = 1000) -> list[KeyStatus]:
         """The status of every held slot of ``key``, by slot; empty if no slot is held.
 
-        Without ``slots``, the key's lease hashes are found with SCAN (never KEYS; like
+        Without ``slots``, the key's run records are found with SCAN (never KEYS; like
         :meth:`held`, its cost grows with the size of the keyspace), then read in one round trip.
         With ``slots=N`` (the key's ``max_concurrency``, when the caller knows it), slots 0 to
         N-1 are read in one round trip, without SCAN.
         """
         key = stored_key(key)
         if slots is None:
-            pattern = _glob_escape(self.store.lease_key(key)) + "*"
-            wanted = sorted(slot for found, slot in self._scan_leases(pattern, count) if found == key)
+            pattern = _glob_escape(self.store.layout.run(key)) + "*"
+            wanted = sorted(slot for found, slot in self._scan_runs(pattern, count) if found == key)
         else:
             if slots < 1:
                 raise ValueError(f"slots must be 1 or more, not {slots}")
@@ -294,10 +326,10 @@ class StatusReader:
         One :class:`KeyStatus` per held slot (a ``max_concurrency=3`` key with three runs is
         listed three times, with ``slot`` 0, 1 and 2), sorted by key, then slot.
         """
-        escaped = self.store.layout.redis_key(prefix, "lease")
-        head = escaped[: -len("}:lease")]
-        pattern = _glob_escape(head) + "*}:lease*"  # lease and lease<slot>; parsed exactly below
-        runs = sorted(run for run in self._scan_leases(pattern, count) if run[0].startswith(prefix))
+        escaped = self.store.layout.run(prefix)
+        head = escaped[: -len("}:run")]
+        pattern = _glob_escape(head) + "*}:run*"  # run and run<slot>; parsed exactly below
+        runs = sorted(run for run in self._scan_runs(pattern, count) if run[0].startswith(prefix))
         return [st for st in self._read_many(runs) if st is not None and st.held]
 
     def watch(
@@ -314,7 +346,7 @@ class StatusReader:
         if snapshot is None:
             return
         fence = snapshot.fence
-        stream = self.store.history_key(key, slot)
+        stream = self.store.layout.history(key, slot)
         deadline = None if timeout is None else mod_time.monotonic() + timeout
         cursor = ["0-0"]
         history: list[Any] = self.client.xrange(stream, min="-", max="+")  # type: ignore[assignment]
@@ -323,8 +355,9 @@ class StatusReader:
             if event.final:
                 return
         if not snapshot.held:
+            by = {"by": snapshot.released_by} if snapshot.released_by else {}
             yield WatchEvent(kind="end", state=snapshot.outcome or snapshot.state, fence=fence,
-                             ts=snapshot.ended)
+                             ts=snapshot.ended, fields=by)
             return
         while deadline is None or mod_time.monotonic() < deadline:
             block = poll if deadline is None else max(0.001, min(poll, deadline - mod_time.monotonic()))
@@ -341,55 +374,55 @@ class StatusReader:
                     # ended without a history entry (it never reported progress, or expired)
                     ended = now if now is not None and now.fence == fence else None
                     state = ended.outcome or ended.state if ended is not None else "expired"
-                    yield WatchEvent(kind="end", state=state, fence=fence,
+                    by = {"by": ended.released_by} if ended is not None and ended.released_by else {}
+                    yield WatchEvent(kind="end", state=state, fence=fence, fields=by,
                                      ts=ended.ended if ended is not None else mod_time.time())
                     return
 
-    def force_release(self, key: str, by: str, expected_holder: str = "", slot: int = 0) -> str | None:
+    def force_release(self, key: str, by: str, expected_holder: str = "", slot: int = 0,
+                      slots: int | None = None, ttl: float = 30.0) -> str | None:
         """Free ``key`` whoever holds it; returns the released task id (None if not held).
 
         Frees slot 0, or ``slot`` of a ``max_concurrency`` > 1 key (find the slot of a run with
-        :meth:`read_all`). With ``expected_holder``, only that task's lease is released.
+        :meth:`read_all`; ``slots``: the key's slot count, so that the key can be handed to a
+        parked run at once). With ``expected_holder``, only that task's lease is released.
         Logged at WARNING with who asked, and signalled (``lease_force_released``). The holder's
-        heartbeat then reports its lease lost.
+        heartbeat then reports its lease lost. With the reader's app (``reader(app)``,
+        ``force_release(app, ...)``, the CLI) a parked run is sent at once and runs that joined the
+        released run get a :class:`LeaseLost` error; a reader without one leaves both to the
+        queue sweeper of a worker.
         """
         if slot < 0:
             raise ValueError(f"slot must be 0 or more, not {slot}")
         key = stored_key(key)
-        released = self.store.force_release(key, by, expected_holder, slot)
+        released = self.store.force_release(key, by, expected_holder, slot, max(slots or 1, slot + 1), ttl,
+                                            hand_on=self.app is not None)
         if released is None:
             return None
-        task_id, fence = released
+        task_id, fence, settlement = released
         where = f" slot {slot}" if slot else ""
         log.warning("force-released key=%r%s held by task %s (fence %s), by %s",
                     key, where, task_id, fence, by)
+        if self.app is not None:
+            settle(self.app, settlement, Ending(
+                key, "operator", task_id, "force-released", signal=False,
+                error=LeaseLost(key, f"the run it joined was force-released by {by}"),
+            ))
         signals.lease_force_released.send(sender=None, key=key, task_id=task_id, fence=fence, by=by)
         return task_id
-
-
-class _AppDefaults:
-    """Stands in for a task when resolving an app's settings (no per-task values)."""
-
-    name = "app"
 
 
 _readers: dict[tuple[int, int], StatusReader] = {}
 
 
-def app_options(app: Any) -> Options:
-    return resolve_options(_AppDefaults, app.conf)
-
-
 def reader(app: Any) -> StatusReader:
     """The status reader for ``app``'s Redis and namespace."""
-    from .task import store_for
-
     opts = app_options(app)
-    store = store_for(opts.redis_url, opts.namespace, opts.status_retention, opts.history_length)
+    store = store_for(opts.redis, opts.namespace, opts.status_retention, opts.history_length)
     cache_key = (id(app), id(store))
     found = _readers.get(cache_key)
     if found is None or found.store is not store:
-        found = _readers[cache_key] = StatusReader(store)
+        found = _readers[cache_key] = StatusReader(store, app)
     return found
 
 
@@ -417,5 +450,6 @@ def watch(app: Any, key: str, timeout: float | None = None, slot: int = 0) -> It
 
 def force_release(app: Any, key: str, by: str, expected_holder: str = "", slot: int = 0) -> str | None:
     """Free ``key`` (its slot 0, or ``slot``) whoever holds it, recording ``by``; returns the
-    released task id or None."""
-    return reader(app).force_release(key, by, expected_holder, slot)
+    released task id or None. A parked run is handed the key at once."""
+    opts = app_options(app)
+    return reader(app).force_release(key, by, expected_holder, slot, slots=known_slots(app), ttl=opts.ttl)

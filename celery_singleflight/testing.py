@@ -12,6 +12,7 @@ ties that signal to the starting thread).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -36,8 +37,6 @@ def _stop_with_parent() -> None:
     A test run killed from outside (a CI timeout, Ctrl-C twice) runs no teardown; without this
     its workers and private redis-servers would live on, holding ports and CPU.
     """
-    import ctypes
-
     with contextlib.suppress(OSError, AttributeError):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
@@ -95,16 +94,26 @@ class RedisServer:
     def client(self, db: int = 0) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, db=db)
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [
+    def command(self) -> list[str]:
+        """The command line of the server (subclasses in :mod:`.engines` add TLS, cluster mode)."""
+        return [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
             *self.extra,
         ]
+
+    def probe(self) -> redis.Redis:
+        """A short-timeout client that tells when the server answers."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = self.command()
+        # its own session: a Ctrl-C in the terminal reaches the process that started it, which
+        # stops the server after whatever still uses it (workers), not the server first
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_child_setup())
+                                     start_new_session=True, preexec_fn=_child_setup())
         deadline = time.monotonic() + timeout
-        probe = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        probe = self.probe()
         while True:
             try:
                 probe.ping()

@@ -1,7 +1,8 @@
-"""The demo's Celery app: three everyday jobs, each guarded by a lease on its own key.
+"""The demo's Celery app: everyday jobs of a web app, each guarded by a lease on its own key.
 
-Redis comes from ``DEMO_REDIS_URL`` (the demo starts an embedded one): broker db 0, results
-db 1, leases db 2.
+Redis comes from ``DEMO_REDIS_URL`` (the demo starts an embedded one): broker db 0, results db 1,
+leases db 2. ``DEMO_BROKER_URL``, when set, is the broker instead (RabbitMQ:
+``amqp://guest:guest@127.0.0.1:5672//``); results and leases stay on Redis.
 """
 
 from __future__ import annotations
@@ -9,33 +10,106 @@ from __future__ import annotations
 import os
 import time
 
+import redis
 from celery import Celery
 
 from celery_singleflight import SingleFlightTask
 
 REDIS = os.environ.get("DEMO_REDIS_URL", "redis://127.0.0.1:6379")
 
-app = Celery("proj", broker=f"{REDIS}/0", backend=f"{REDIS}/1")
+app = Celery("proj", broker=os.environ.get("DEMO_BROKER_URL") or f"{REDIS}/0", backend=f"{REDIS}/1")
 app.conf.update(
     singleflight_redis_url=f"{REDIS}/2",
     singleflight_namespace="demo",
     singleflight_ttl=10,  # a crashed worker frees a key in 10 s; the heartbeat renews every 3.3 s
+    task_default_queue="singleflight-demo",  # never mixes with another app's "celery" queue
     broker_connection_retry_on_startup=True,
+    result_expires=3600,
+    beat_schedule={
+        # every 2 s, for a job that takes 5 s: the ticks that find it running are skipped
+        "report-every-2s": {"task": "proj.nightly_report", "schedule": 2.0},
+    },
 )
 
+# what actually ran, newest first: the web page shows it (demo only; not part of the library)
+JOURNAL = "demo:journal"
+journal = redis.Redis.from_url(f"{REDIS}/2")
 
-@app.task(bind=True, base=SingleFlightTask, lock_key="sync:<account_id>", on_duplicate="skip")
-def sync_account(self, account_id, pages=4):
-    """A double-clicked "sync now" button: the second click is skipped, and says why."""
-    for _ in range(pages):
-        time.sleep(0.25)
-        self.lease.check()  # raises LeaseLost if another run took the key over
-    return {"account": account_id, "pages": pages, "fence": self.lease.fence}
+
+def note(text: str) -> None:
+    journal.lpush(JOURNAL, f"{time.strftime('%H:%M:%S')} {text}")
+    journal.ltrim(JOURNAL, 0, 99)
+
+
+# -- "Sync now" buttons: one task per policy, side by side, so a double click shows each -----
+
+
+def sync_pages(task: SingleFlightTask, account_id: int, pages: int) -> dict:
+    task.progress("connecting", message=f"account {account_id}")
+    time.sleep(0.3)
+    for page in range(1, pages + 1):
+        time.sleep(0.4)  # fetch and write one page
+        task.progress("loading", current=page, total=pages, message=f"page {page} of {pages}")
+    note(f"{task.name.split('.')[-1]}({account_id}) synced {pages} pages, fence {task.lease.fence}")
+    return {"account": account_id, "pages": pages, "fence": task.lease.fence}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="sync-skip:<account_id>", on_duplicate="skip")
+def sync_skip(self, account_id, pages=8):
+    """The second click ends at once without running, and its result says why."""
+    return sync_pages(self, account_id, pages)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="sync-queue:<account_id>", on_duplicate="queue")
+def sync_queue(self, account_id, pages=8):
+    """The second click waits in a per-key queue in Redis and runs as soon as the first ends."""
+    return sync_pages(self, account_id, pages)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="sync-join:<account_id>", on_duplicate="join")
+def sync_join(self, account_id, pages=8):
+    """The second click does not run: it gets the first run's result as its own."""
+    return sync_pages(self, account_id, pages)
+
+
+# -- A chat webhook: deliveries repeat, messages of one conversation arrive in bursts --------
+
+
+# --8<-- [start:chat]
+@app.task(bind=True, base=SingleFlightTask, lock_key="chat:<conversation>", on_duplicate="queue",
+          idempotency_key="delivery:<delivery_id>", idempotency_ttl=600)
+def handle_message(self, conversation, delivery_id, text):
+    """One conversation's messages are answered one at a time, in order (``queue`` on the
+    conversation); a delivery the provider sends again is answered once (``idempotency_key``:
+    a later copy gets the remembered result without running)."""
+    self.progress("thinking", message=text[:60])
+    time.sleep(1.0)
+    note(f"chat {conversation}: answered {text!r} (delivery {delivery_id})")
+    return {"conversation": conversation, "delivery": delivery_id, "reply": text.upper()}
+# --8<-- [end:chat]
+
+
+# -- A periodic job slower than its schedule ---------------------------------------------------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="nightly-report")
+def nightly_report(self, steps=5):
+    """Sent by ``celery beat`` every 2 s; takes 5 s. Runs never overlap: a tick that finds the
+    key held is skipped (beat ticks default to ``skip``) and counted on the run's status."""
+    note(f"report started (fence {self.lease.fence})")
+    for step in range(1, steps + 1):
+        time.sleep(1.0)
+        self.progress("building", current=step, total=steps, message=f"section {step}")
+    note("report finished")
+    return {"sections": steps}
+
+
+# -- Two more policies, for the table mode (python example_project/demo.py --table) -----------
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="report:<tenant>", on_duplicate="retry", max_wait=30)
 def build_report(self, tenant):
-    """A report that must not be built twice at once: the duplicate waits its turn and runs."""
+    """A report that must not be built twice at once: the duplicate retries until its turn."""
     time.sleep(1.0)
     return {"tenant": tenant, "fence": self.lease.fence}
 

@@ -6,6 +6,7 @@ results db 1, leases db 2, and the independent run recorder db 3.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -21,6 +22,8 @@ BROKER = os.environ.get("SF_TEST_BROKER", f"{BASE}/0")
 app = Celery("sfapp", broker=BROKER, backend=f"{BASE}/1")
 app.conf.update(
     singleflight_redis_url=os.environ.get("SF_TEST_LEASE_REDIS", f"{BASE}/2"),
+    # TLS files, a Sentinel's master_name (the Cluster, TLS and Sentinel tests)
+    singleflight_redis_transport_options=json.loads(os.environ.get("SF_TEST_LEASE_OPTIONS", "null")),
     singleflight_redis_retry_delay=float(os.environ.get("SF_TEST_REDIS_RETRY", "5")),
     singleflight_ttl=float(os.environ.get("SF_TEST_TTL", "30")),
     task_acks_late=os.environ.get("SF_TEST_ACKS_LATE") == "1",
@@ -67,6 +70,13 @@ def hold_retry(self, key, seconds=0.2):
 def hold_retry_short(self, key, seconds=0.2):
     record_run("retry_short", key, seconds)
     return "ran"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="retry", max_wait=60,
+          retry_backoff=0.6, retry_backoff_max=0.6, retry_jitter=False)
+def hold_retry_tuned(self, key, seconds=0.2):
+    record_run("retry_tuned", key, seconds)
+    return {"fence": self.lease.fence, "key": key}
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", max_retries=1)
@@ -354,3 +364,143 @@ def canvas_errback(request, exc, traceback):
 def canvas_errback_old(task_id):
     """An old-style errback (one argument: the failed task's id)."""
     recorder.rpush("canvas:errors_old", task_id)
+
+
+# -- the release-path matrix: one key, a deduplicated holder, a parked run and a joined run ---------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mx:<key>", on_duplicate="queue", dedup_enqueue=True,
+          max_retries=1)
+def mx_holder(self, key, mode="succeed", seconds=1.5):
+    recorder.set(f"pid:{key}", os.getpid())
+    recorder.rpush(f"runs:{key}", f"holder:{self.request.id}")
+    time.sleep(seconds)
+    if mode == "retry" and self.request.retries == 0:
+        raise self.retry(countdown=2.0)
+    if mode == "fail":
+        raise ValueError(f"mx {key} failed")
+    return {"ran": self.request.id, "mode": mode}
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mx:<key>", on_duplicate="queue", dedup_enqueue=True,
+          time_limit=1.5)
+def mx_time_limited(self, key):
+    recorder.set(f"pid:{key}", os.getpid())
+    recorder.rpush(f"runs:{key}", f"holder:{self.request.id}")
+    time.sleep(30)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mx:<key>", on_duplicate="queue")
+def mx_queued(self, key):
+    recorder.rpush(f"runs:{key}", f"queued:{self.request.id}")
+    time.sleep(0.3)
+    return "queued-ran"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mx:<key>", on_duplicate="join")
+def mx_joiner(self, key):
+    recorder.rpush(f"runs:{key}", f"joiner:{self.request.id}")
+    return "joiner-ran"
+
+
+# -- coalesce (newest pending wins) ---------------------------------------------------------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="co:<key>", on_duplicate="coalesce")
+def coalesced(self, key, payload, seconds=0.05):
+    """Coalesce policy: records which payloads ran, in order."""
+    record_run("coalesce", key, seconds)
+    recorder.rpush(f"payloads:{key}", payload)
+    return payload
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="co:<key>", on_duplicate="coalesce",
+          coalesce_keep="first")
+def coalesced_first(self, key, payload, seconds=0.05):
+    record_run("coalesce", key, seconds)
+    recorder.rpush(f"payloads:{key}", payload)
+    return payload
+
+
+# -- supersede (newest wins) ----------------------------------------------------------------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="sup:<key>", on_duplicate="supersede", lock_ttl=3,
+          supersede_grace=2.0)
+def superseding(self, key, n, seconds=0.05, checks=True):
+    """Supersede policy: runs ``seconds``, checking its lease every 50 ms if ``checks``; records
+    when it started, when it first saw ``self.lease.superseded``, and whether it completed. Its
+    last act is a fenced write of ``n`` (refused once a newer holder wrote)."""
+    from celery_singleflight import fencing
+
+    recorder.rpush(f"started:{key}", n)
+    recorder.set(f"pid:{key}:{n}", os.getpid())
+    recorder.set(f"fence:{key}:{n}", self.lease.fence)
+    deadline = time.time() + seconds
+    seen = False
+    while time.time() < deadline:
+        if self.lease.superseded and not seen:
+            seen = True
+            recorder.set(f"seen:{key}:{n}", time.time())
+        if checks:
+            self.lease.check()
+        time.sleep(0.05)
+    written = fencing.fenced_set(recorder, f"fenced:{key}", str(n), self.lease.fence)
+    recorder.rpush(f"done:{key}", n)
+    return {"n": n, "fence": self.lease.fence, "written": written}
+
+
+# -- ordered queue (strict send order) ------------------------------------------------------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="ord:<key>", on_duplicate="queue", ordered=True,
+          order_timeout=60.0)
+def ordered_run(self, key, n, seconds=0.002):
+    """Ordered queue policy: records the order in which runs on a key start."""
+    recorder.rpush(f"order:{key}", n)
+    record_run("ordered", key, seconds)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="ordgap:<key>", on_duplicate="queue", ordered=True,
+          order_timeout=2.0)
+def ordered_gap(self, key, n, seconds=0.002):
+    """As ordered_run, with a short order_timeout (each key keeps its own)."""
+    recorder.rpush(f"order:{key}", n)
+    record_run("ordered", key, seconds)
+    return n
+
+
+# -- the release-path matrix of the coalesce, supersede and ordered policies -----------------
+
+
+def _pm_run(key, n, seconds):
+    recorder.set(f"pid:{key}", os.getpid())
+    recorder.rpush(f"pm:{key}", n)
+    time.sleep(seconds)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="pm:<key>", on_duplicate="coalesce")
+def pm_coalesce(self, key, n, seconds=0.05):
+    return _pm_run(key, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="pm:<key>", on_duplicate="supersede",
+          supersede_grace=30.0)
+def pm_supersede(self, key, n, seconds=0.05):
+    return _pm_run(key, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="pm:<key>", on_duplicate="queue", ordered=True,
+          order_timeout=30.0)
+def pm_ordered(self, key, n, seconds=0.05):
+    return _pm_run(key, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="ordidem:<key>", on_duplicate="queue", ordered=True,
+          order_timeout=60.0, idempotency_key="ordidem:<key>:<msg>")
+def ordered_idem(self, key, msg, n):
+    """Ordered, with an idempotency key: a repeated message returns the remembered result."""
+    recorder.rpush(f"order:{key}", n)
+    return n

@@ -133,7 +133,8 @@ def collect(beatapp: ModuleType, redis_server: RedisServer, queue: str, worker_l
         r.status = sf.status(beatapp.app, key)
         r.beat_header = {i: json.loads(rec.hget("from_beat", i) or "null") for i in r.runs}
         store = beatapp.app.tasks[name].store
-        r.library_queue = [x.decode().split("|")[0] for x in store.client.lrange(store.queue_key(key), 0, -1)]
+        queued = store.client.lrange(store.layout.queue(key), 0, -1)
+        r.library_queue = [x.decode().split("|")[0] for x in queued]
         records[name] = r
     return records
 

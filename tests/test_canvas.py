@@ -89,7 +89,7 @@ def stays(predicate: Callable[[], Any], seconds: float = 0.5) -> bool:
 def test_chain_raise_stops_the_chain_with_lock_held_and_calls_link_error(
     sfapp: ModuleType, q: str
 ) -> None:
-    """Given a running holder on k:"craise",
+    """Given a running holder on k:craise,
     when chain(hold_raise duplicate, canvas_seen) is sent with a link_error,
     then the chain's result raises LockHeld (naming the holder), the next link never runs, is
     marked FAILURE as Celery does for a failed chain, and the errback gets the duplicate's LockHeld."""
@@ -112,7 +112,7 @@ def test_chain_raise_stops_the_chain_with_lock_held_and_calls_link_error(
 
 
 def test_chain_skip_passes_the_skip_result_to_the_next_link(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on k:"cskip",
+    """Given a running holder on k:cskip,
     when chain(hold_skip duplicate, canvas_seen) is sent,
     then the duplicate ends SUCCESS without running and the next link runs at once with the skip
     dict (is_skipped, the key and the holder's id) as its argument."""
@@ -125,7 +125,7 @@ def test_chain_skip_passes_the_skip_result_to_the_next_link(sfapp: ModuleType, q
     [got] = seen(sfapp, "after")
     assert out == {"seen": got}
     assert is_skipped(got)
-    assert got["key"] == 'k:"cskip"' and got["holder"] == holder.id
+    assert got["key"] == "k:cskip" and got["holder"] == holder.id
     assert result.parent.state == "SUCCESS"
     holder.get(timeout=15)
     assert runs(sfapp, "cskip") == [holder.id]
@@ -134,7 +134,7 @@ def test_chain_skip_passes_the_skip_result_to_the_next_link(sfapp: ModuleType, q
 def test_chain_retry_continues_with_the_duplicates_own_result_after_the_holder(
     sfapp: ModuleType, q: str
 ) -> None:
-    """Given a running holder on k:"cretry",
+    """Given a running holder on k:cretry,
     when chain(hold_retry duplicate, canvas_seen) is sent,
     then the duplicate is re-sent with the same task id and its chain (state RETRY meanwhile),
     runs once the holder is done, and the next link receives the duplicate's own result."""
@@ -155,7 +155,7 @@ def test_chain_retry_continues_with_the_duplicates_own_result_after_the_holder(
 
 
 def test_chain_queue_continues_with_the_parked_runs_result_in_order(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on q:"cq",
+    """Given a running holder on q:cq,
     when two chains (queued n=1 -> canvas_seen "a", then queued n=2 -> canvas_seen "b") are sent,
     each after the previous one was parked (state QUEUED),
     then each duplicate runs later from its parked message, in the order the chains parked, one
@@ -177,7 +177,7 @@ def test_chain_queue_continues_with_the_parked_runs_result_in_order(sfapp: Modul
 
 
 def test_chain_join_passes_the_holders_error_on_and_stops_the_chain(sfapp: ModuleType, q: str) -> None:
-    """Given a holder on j:"cjerr" that will fail,
+    """Given a holder on j:cjerr that will fail,
     when chain(joined duplicate, canvas_seen) is sent and the duplicate joins it,
     then the chain's result raises the holder's error, the duplicate ends FAILURE with it, and the
     next link never runs. (Success: test_join.py::test_a_joined_link_in_a_chain_...)"""
@@ -197,7 +197,7 @@ def test_chain_join_passes_the_holders_error_on_and_stops_the_chain(sfapp: Modul
 
 
 def test_chain_join_error_marks_the_last_link_failed_like_a_failed_link(sfapp: ModuleType, q: str) -> None:
-    """Given a holder on j:"cjlast" that will fail and a chain whose first link joins it,
+    """Given a holder on j:cjlast that will fail and a chain whose first link joins it,
     then the chain's last link ends FAILURE, as it does when a link fails by itself (see the
     raise test), so ``AsyncResult(last_id).get()`` (no parent to follow) does not wait forever."""
     start_holder(sfapp, sfapp.joined, q, "cjlast", "first", 0.5, True)
@@ -211,7 +211,7 @@ def test_chain_join_error_marks_the_last_link_failed_like_a_failed_link(sfapp: M
 
 
 def test_chain_join_error_calls_a_new_style_errback(sfapp: ModuleType, q: str) -> None:
-    """Given a holder on j:"cjeb" that will fail and chain(joined duplicate, canvas_seen) with a
+    """Given a holder on j:cjeb that will fail and chain(joined duplicate, canvas_seen) with a
     new-style errback (request, exc, traceback), as in the raise test,
     then the errback runs for the duplicate with the holder's error."""
     start_holder(sfapp, sfapp.joined, q, "cjeb", "first", 0.5, True)
@@ -225,7 +225,7 @@ def test_chain_join_error_calls_a_new_style_errback(sfapp: ModuleType, q: str) -
 
 
 def test_chain_join_error_calls_an_old_style_errback(sfapp: ModuleType, q: str) -> None:
-    """Given a holder on j:"cjold" that will fail and chain(joined duplicate, canvas_seen) with an
+    """Given a holder on j:cjold that will fail and chain(joined duplicate, canvas_seen) with an
     old-style errback (one argument: the task id),
     then the errback is called with the duplicate's task id."""
     start_holder(sfapp, sfapp.joined, q, "cjold", "first", 0.5, True)
@@ -244,7 +244,7 @@ def test_chain_join_error_calls_an_old_style_errback(sfapp: ModuleType, q: str) 
 def test_group_queue_runs_every_member_one_at_a_time_results_in_member_order(
     sfapp: ModuleType, q: str
 ) -> None:
-    """Given a running holder on q:"gq",
+    """Given a running holder on q:gq,
     when a group of 5 queued members on that key is sent,
     then they are parked, then all 5 run one at a time after the holder (no overlap), and the
     group's result is the 5 results in member order."""
@@ -261,7 +261,7 @@ def test_group_queue_runs_every_member_one_at_a_time_results_in_member_order(
 
 
 def test_group_skip_members_return_at_once_while_an_outside_holder_runs(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on k:"gs",
+    """Given a running holder on k:gs,
     when a group of 5 hold_skip members on that key is sent,
     then GroupResult.get() returns at once (before the holder ends) with 5 skip results naming
     the holder, and no member ran."""
@@ -276,7 +276,7 @@ def test_group_skip_members_return_at_once_while_an_outside_holder_runs(sfapp: M
 
 
 def test_group_skip_exactly_one_member_runs(sfapp: ModuleType, q: str) -> None:
-    """Given no holder on k:"gs1",
+    """Given no holder on k:gs1,
     when a group of 5 hold_skip members (1.5 s each) on that key is sent,
     then exactly one member runs and the other 4 are skip results naming that member."""
     result = group(sfapp.hold_skip.s("gs1", 1.5).set(queue=q) for _ in range(5)).apply_async()
@@ -294,7 +294,7 @@ def test_group_skip_exactly_one_member_runs(sfapp: ModuleType, q: str) -> None:
 
 
 def test_chord_of_joined_duplicates_gets_the_holders_result_four_times(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on j:"chj",
+    """Given a running holder on j:chj,
     when chord([4 joined duplicates on that key], canvas_collect) is sent,
     then the 4 members join the holder (state JOINED) and the body runs once, after the holder,
     with 4 copies of the holder's result; only the holder ran."""
@@ -310,7 +310,7 @@ def test_chord_of_joined_duplicates_gets_the_holders_result_four_times(sfapp: Mo
 
 
 def test_chord_of_queued_members_runs_the_body_after_all_ran(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on q:"chq",
+    """Given a running holder on q:chq,
     when chord([4 queued members on that key], canvas_collect) is sent,
     then the members run one at a time after the holder and the body runs once, after the last
     of them, with their 4 results in member order."""
@@ -327,7 +327,7 @@ def test_chord_of_queued_members_runs_the_body_after_all_ran(sfapp: ModuleType, 
 
 
 def test_chord_of_retried_members_gets_their_own_results(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on k:"chr",
+    """Given a running holder on k:chr,
     when chord([3 hold_retry members on that key], canvas_collect) is sent,
     then the members retry until the key is free, run one at a time, and the body runs once with
     their own 3 results in member order."""
@@ -346,7 +346,7 @@ def test_chord_of_retried_members_gets_their_own_results(sfapp: ModuleType, q: s
 
 
 def test_chord_of_skipped_members_gets_the_skip_results(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on k:"chs",
+    """Given a running holder on k:chs,
     when chord([3 hold_skip members on that key], canvas_collect) is sent,
     then the body runs at once (before the holder ends) with 3 skip results."""
     holder = start_holder(sfapp, sfapp.hold_skip, q, "chs", 3.0)
@@ -361,7 +361,7 @@ def test_chord_of_skipped_members_gets_the_skip_results(sfapp: ModuleType, q: st
 
 
 def test_chord_with_a_raised_member_fails_without_running_the_body(sfapp: ModuleType, q: str) -> None:
-    """Given a running holder on k:"chx",
+    """Given a running holder on k:chx,
     when chord([3 hold_raise members on that key], canvas_collect) is sent,
     then every member fails with LockHeld, the body never runs: the chord's result raises
     LockHeld and the body's own result ends FAILURE with a ChordError naming LockHeld."""

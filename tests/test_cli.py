@@ -107,9 +107,9 @@ def test_help_lists_every_command_and_option(redis_server: RedisServer, sfapp: M
 def test_ls_lists_a_held_key(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.sleeper.delay("cli-ls", 5)
+    result = sfapp.sleeper.delay("cli-ls", 20)
     wait_for(lambda: sfapp.recorder.get("pid:cli-ls"), timeout=15)
-    key = 'k:"cli-ls"'
+    key = "k:cli-ls"
 
     table = run_cli(redis_server, "ls")
     assert table.returncode == 0, table.stderr
@@ -125,7 +125,7 @@ def test_ls_lists_a_held_key(
     assert found[key]["task_id"] == result.id and found[key]["held"] is True
     assert 0 < found[key]["ttl_left"] <= 30
 
-    kept = run_cli(redis_server, "ls", "--prefix", 'k:"cli-')
+    kept = run_cli(redis_server, "ls", "--prefix", "k:cli-")
     assert kept.returncode == 0 and key in kept.stdout and result.id[:8] in kept.stdout
     dropped = run_cli(redis_server, "ls", "--prefix", "job:")
     assert dropped.returncode == 0
@@ -140,9 +140,9 @@ def test_ls_lists_a_held_key(
 def test_show_a_running_then_ended_key_and_an_unknown_one(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.reporting.delay("cli-show", 10, 0.3)
+    result = sfapp.reporting.delay("cli-show", 20, 0.3)
     key = sfapp.reporting.render_key("cli-show")
-    assert key == 'job:"cli-show"'
+    assert key == "job:cli-show"
     running(sfapp, key)
 
     shown = run_cli(redis_server, "show", key)
@@ -150,7 +150,7 @@ def test_show_a_running_then_ended_key_and_an_unknown_one(
     fields = dict(re.findall(r"^([a-z /]+):\s+(.*)$", shown.stdout, re.MULTILINE))
     assert fields["key"] == key and fields["held"] == "yes" and fields["state"] == "loading"
     assert fields["task id"] == result.id and fields["task name"] == "sfapp.reporting"
-    assert re.fullmatch(r"\d+/10 \d+%", fields["progress"]), fields["progress"]
+    assert re.fullmatch(r"\d+/20 \d+%", fields["progress"]), fields["progress"]
     assert re.fullmatch(r"step \d+", fields["message"])
     iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
     assert re.fullmatch(iso + r" \(\d+\.\ds ago\)", fields["started"]), fields["started"]
@@ -159,16 +159,16 @@ def test_show_a_running_then_ended_key_and_an_unknown_one(
     as_json = run_cli(redis_server, "show", key, "--json")
     assert as_json.returncode == 0
     data = json.loads(as_json.stdout)
-    assert data["held"] is True and data["task_id"] == result.id and data["total"] == 10
+    assert data["held"] is True and data["task_id"] == result.id and data["total"] == 20
 
-    unknown = run_cli(redis_server, "show", 'job:"nobody"')
+    unknown = run_cli(redis_server, "show", "job:nobody")
     assert unknown.returncode == 1 and unknown.stdout == ""
     assert "not held" in unknown.stderr and "Traceback" not in unknown.stderr
 
-    assert result.get(timeout=15) == 10
+    assert result.get(timeout=30) == 20
     ended = run_cli(redis_server, "show", key)
     assert ended.returncode == 1  # not held any more, but its outcome is still shown
-    assert "held:        no (the run ended: succeeded)" in ended.stdout and "10/10 100%" in ended.stdout
+    assert "held:        no (the run ended: succeeded)" in ended.stdout and "20/20 100%" in ended.stdout
     assert "not held" in ended.stderr and "succeeded" in ended.stderr
 
 
@@ -178,43 +178,44 @@ def test_show_a_running_then_ended_key_and_an_unknown_one(
 def test_watch_json_and_plain_follow_a_run_to_its_end(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    sfapp.reporting.delay("cli-watch", 8, 0.25)
-    sfapp.reporting.delay("cli-plain", 8, 0.25)
-    running(sfapp, 'job:"cli-watch"')
-    running(sfapp, 'job:"cli-plain"')
-    as_json = start_cli(redis_server, "watch", 'job:"cli-watch"', "--json")
-    plain = start_cli(redis_server, "watch", 'job:"cli-plain"', "--timeout", "30")
+    # long enough that both CLIs (a second or more each to start on a busy machine) find it running
+    sfapp.reporting.delay("cli-watch", 24, 0.25)
+    sfapp.reporting.delay("cli-plain", 24, 0.25)
+    running(sfapp, "job:cli-watch")
+    running(sfapp, "job:cli-plain")
+    as_json = start_cli(redis_server, "watch", "job:cli-watch", "--json")
+    plain = start_cli(redis_server, "watch", "job:cli-plain", "--timeout", "30")
 
     code, out, err = finish(as_json)
     assert code == 0, err
     events = json_lines(out)
     assert len(events) >= 3
-    assert all(e["key"] == 'job:"cli-watch"' for e in events)
+    assert all(e["key"] == "job:cli-watch" for e in events)
     assert events[-1]["kind"] == "end" and events[-1]["state"] == "succeeded"
     progress = events[:-1]
     assert all(e["kind"] == "progress" for e in progress)
     currents = [e["current"] for e in progress]
-    assert currents == sorted(set(currents)) and currents[-1] == 8  # strictly increasing, to the end
-    assert progress[-1]["state"] == "finishing" and progress[0]["total"] == 8
+    assert currents == sorted(set(currents)) and currents[-1] == 24  # strictly increasing, to the end
+    assert progress[-1]["state"] == "finishing" and progress[0]["total"] == 24
 
     code, out, err = finish(plain)
     assert code == 0, err
     lines = out.splitlines()
-    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} progress loading \d/8 \d+% step \d", lines[0]), lines[0]
-    assert lines[-2].endswith("progress finishing 8/8 100%")
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} progress loading \d+/24 \d+% step \d+", lines[0]), lines[0]
+    assert lines[-2].endswith("progress finishing 24/24 100%")
     assert lines[-1].endswith(" end succeeded")
-    assert "watching key job:\"cli-plain\"" in err
+    assert "watching key job:cli-plain" in err
 
 
 def test_watch_draws_a_progress_bar_on_a_terminal(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    sfapp.reporting.delay("cli-tty", 6, 0.2)
-    running(sfapp, 'job:"cli-tty"')
+    sfapp.reporting.delay("cli-tty", 16, 0.2)
+    running(sfapp, "job:cli-tty")
     master, replica = pty.openpty()
     env = {**cli_env(redis_server), "COLUMNS": "120", "TERM": "xterm"}
     proc = subprocess.Popen(
-        cli_args("watch", 'job:"cli-tty"'), cwd=TESTS, env=env, stdin=subprocess.DEVNULL,
+        cli_args("watch", "job:cli-tty"), cwd=TESTS, env=env, stdin=subprocess.DEVNULL,
         stdout=replica, stderr=subprocess.PIPE, text=True,
     )
     os.close(replica)
@@ -242,7 +243,7 @@ def test_watch_draws_a_progress_bar_on_a_terminal(
         proc.stderr.close()
     screen = b"".join(chunks).decode(errors="replace")
     assert code == 0, err
-    assert "━" in screen and "6/6 100%" in screen  # rich's bar, filled at the end
+    assert "━" in screen and "16/16 100%" in screen  # rich's bar, filled at the end
     assert "succeeded" in screen
 
 
@@ -252,9 +253,10 @@ def test_watch_draws_a_progress_bar_on_a_terminal(
 def test_release_asks_then_forces_and_the_holder_loses_its_lease(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.sleeper.delay("cli-rel", 6)
+    # long enough to outlast five CLI starts (each a second or more on a busy machine)
+    result = sfapp.sleeper.delay("cli-rel", 15)
     wait_for(lambda: sfapp.recorder.get("pid:cli-rel"), timeout=15)
-    key = 'k:"cli-rel"'
+    key = "k:cli-rel"
     record_key = sfapp.sleeper.render_key("cli-rel")
     assert record_key == key
 
@@ -288,23 +290,23 @@ def test_release_asks_then_forces_and_the_holder_loses_its_lease(
 
     again = run_cli(redis_server, "release", key, "--force")
     assert again.returncode == 1 and "not held" in again.stderr and again.stdout == ""
-    unknown = run_cli(redis_server, "release", 'k:"nobody"', "--force", "--json")
+    unknown = run_cli(redis_server, "release", "k:nobody", "--force", "--json")
     assert unknown.returncode == 1 and json.loads(unknown.stdout)["released"] is False
 
     # the running task finds out (heartbeat or its own release at the end) and says so
-    wait_for(lambda: f"lease lost: key='{key}'" in shared_worker.log(), timeout=15, interval=0.2)
-    assert result.get(timeout=15) == "slept"
+    wait_for(lambda: f"lease lost: key='{key}'" in shared_worker.log(), timeout=25, interval=0.2)
+    assert result.get(timeout=25) == "slept"
 
 
 def test_release_json_keeps_stdout_machine_readable(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.sleeper.delay("cli-relj", 3)
+    result = sfapp.sleeper.delay("cli-relj", 10)
     wait_for(lambda: sfapp.recorder.get("pid:cli-relj"), timeout=15)
-    released = run_cli(redis_server, "release", 'k:"cli-relj"', "--json", input="y\n")
+    released = run_cli(redis_server, "release", "k:cli-relj", "--json", input="y\n")
     assert released.returncode == 0, released.stderr
     assert json.loads(released.stdout) == {
-        "key": 'k:"cli-relj"', "released": True, "task_id": result.id,
+        "key": "k:cli-relj", "released": True, "task_id": result.id,
         "by": json.loads(released.stdout)["by"],
     }
     assert "[y/N]" in released.stderr and result.id in released.stderr
@@ -313,7 +315,7 @@ def test_release_json_keeps_stdout_machine_readable(
 # -- errors --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [("ls",), ("watch", 'k:"x"'), ("release", "--force", 'k:"x"')])
+@pytest.mark.parametrize("command", [("ls",), ("watch", "k:x"), ("release", "--force", "k:x")])
 def test_redis_unreachable_is_one_line_and_exit_3(
     sfapp: ModuleType, redis_server: RedisServer, command: tuple[str, ...]
 ) -> None:
@@ -351,7 +353,7 @@ def test_a_key_held_only_on_slot_1_is_shown_held(sfapp: ModuleType, redis_server
     from celery_singleflight import Holder
 
     store = sfapp.limited_two.store
-    key = 'lim:"cli-slot1"'
+    key = "lim:cli-slot1"
     first, second = "a" * 32, "b" * 32
     store.acquire(key, first, 30, Holder("run-first", "w@h", "sfapp.limited_two"), slots=2)
     got = store.acquire(key, second, 30, Holder("run-second", "w@h", "sfapp.limited_two"), slots=2)
@@ -372,3 +374,51 @@ def test_a_key_held_only_on_slot_1_is_shown_held(sfapp: ModuleType, redis_server
     answer = json.loads(released.stdout)
     assert (answer["released"], answer["task_id"], answer["slot"]) == (True, "run-second", 1)
     assert store.holder_record(key, 1) == {}
+
+
+# -- by the task's arguments ---------------------------------------------------------------
+
+
+def test_show_watch_and_release_by_the_tasks_arguments(
+    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    """Given a running task, ``--task NAME ARGS...`` names its key by the arguments the task
+    binds (positional or ``param=value``), as ``task.status(...)`` does in Python; a task that is
+    not guarded, or arguments the task cannot bind, are configuration errors (exit 2)."""
+    # long enough to outlast three CLI starts (each a second or more on a busy machine)
+    result = sfapp.reporting.delay("cli-args", 48, 0.25)
+    st = running(sfapp, "job:cli-args")
+    by_args, by_name = sfapp.reporting.status("cli-args"), sfapp.reporting.status(name="cli-args")
+    assert by_args is not None and by_name is not None
+    assert by_args.key == by_name.key == "job:cli-args"
+    assert by_args.task_id == by_name.task_id == st.task_id == result.id
+    assert sfapp.reporting.status("cli-nobody") is None
+    assert [s.task_id for s in sfapp.reporting.status_all("cli-args")] == [result.id]
+
+    for words in (("cli-args",), ("name=cli-args",), ('"cli-args"',)):
+        shown = run_cli(redis_server, "show", "--task", "sfapp.reporting", *words, "--json")
+        assert shown.returncode == 0, (words, shown.stderr)
+        assert json.loads(shown.stdout)["task_id"] == result.id
+
+    watched = start_cli(redis_server, "watch", "--task", "sfapp.reporting", "cli-args", "--json")
+    events = list(sfapp.reporting.watch("cli-args"))
+    assert events[-1].kind == "end" and events[-1].state == "succeeded"
+    code, out, err = finish(watched)
+    assert code == 0, err
+    assert json_lines(out)[-1]["state"] == "succeeded"
+
+    unknown = run_cli(redis_server, "show", "--task", "sfapp.nothing_here", "x")
+    assert unknown.returncode == 2 and "no SingleFlightTask named 'sfapp.nothing_here'" in unknown.stderr
+    assert "sfapp.reporting" in unknown.stderr  # the guarded tasks are listed
+    unbound = run_cli(redis_server, "show", "--task", "sfapp.reporting", "a", "b", "c", "d")
+    assert unbound.returncode == 2 and "Traceback" not in unbound.stderr
+    neither = run_cli(redis_server, "show")
+    assert neither.returncode == 2 and "--task NAME" in neither.stderr
+
+    held = sfapp.reporting.delay("cli-args-rel", 40, 0.25)
+    running(sfapp, "job:cli-args-rel")
+    released = run_cli(redis_server, "release", "--task", "sfapp.reporting", "cli-args-rel", "--force",
+                       "--json")
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout)["task_id"] == held.id
+    held.revoke(terminate=True)

@@ -43,7 +43,7 @@ def test_hold_excludes_tasks_on_the_same_key(sfapp: ModuleType, shared_worker: W
     the task runs."""
     key = sfapp.hold_raise.render_key("x")
     with hold(sfapp.app, key) as lease:
-        assert lease.key == key == 'k:"x"'
+        assert lease.key == key == "k:x"
         refused = sfapp.hold_raise.delay("x", 0.01)
         with pytest.raises(LockHeld) as info:
             refused.get(timeout=15)
@@ -161,17 +161,16 @@ def test_bad_progress_is_refused_at_the_call(sfapp: ModuleType) -> None:
 
 
 def test_heartbeat_keeps_a_short_lease(sfapp: ModuleType, redis_server: RedisServer) -> None:
-    """Given ttl=1, when the block runs 3 s, then the lease exists throughout and stays ours."""
-    lease_key = sfapp.hold_raise.store.lease_key("hb")
-    db = redis_server.client(2)
+    """Given ttl=1, when the block runs 3 s, then the lease is held throughout and stays ours."""
+    store = sfapp.hold_raise.store
     with hold(sfapp.app, "hb", ttl=1) as lease:
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
-            assert db.exists(lease_key), "the lease expired while held"
+            assert store.time_left("hb"), "the lease expired while held"
             time.sleep(0.02)
         assert not lease.lost and 0 < lease.time_left <= 1
         lease.check()
-    assert not db.exists(lease_key)
+    assert store.holder_record("hb") == {} and store.time_left("hb") is None
 
 
 def test_lease_deleted_behind_its_back_is_lost(
@@ -182,7 +181,7 @@ def test_lease_deleted_behind_its_back_is_lost(
     the outcome lost."""
     with hold(sfapp.app, "gone", ttl=1.5) as lease:
         lease.progress("working")
-        redis_server.client(2).delete(sfapp.hold_raise.store.lease_key("gone"))
+        redis_server.client(2).delete(sfapp.hold_raise.store.layout.run("gone"))
         wait_for(lambda: lease.lost, timeout=2.5)
         with pytest.raises(LeaseLost, match="gone"):
             lease.check()
@@ -198,7 +197,7 @@ def test_long_keys_are_digested_like_rendered_keys(sfapp: ModuleType, shared_wor
     given in full or already digested (as render_key() and held() give it)."""
     long = "y" * 300
     rendered = sfapp.hold_raise.render_key(long)
-    full = f'k:"{long}"'
+    full = f"k:{long}"
     assert rendered == sf.digest_key(full) != full
     for given in (full, rendered):
         with hold(sfapp.app, given) as lease:
@@ -238,3 +237,29 @@ def test_bad_arguments_are_refused(sfapp: ModuleType) -> None:
         hold(sfapp.app, "k", wait=-1)
     with pytest.raises(ConfigurationError, match="key"):
         hold(sfapp.app, "")
+
+
+def test_a_hold_is_one_run_of_a_max_concurrency_key(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    """Given tasks with max_concurrency=3 on a key, a hold counts as one of the three runs: by default
+    it takes the first slot and two task runs go on beside it, the third waits (queue) until one
+    ends; with slots=3 a hold takes whichever slot is free, and waits only when all three are held."""
+    key = sfapp.limited.render_key("hc")
+    with hold(sfapp.app, key) as lease:
+        assert lease.lease.slot == 0
+        results = [sfapp.limited.delay("hc", 1.0) for _ in range(3)]
+        wait_for(lambda: sfapp.recorder.llen("runs:hc") == 2, timeout=15)
+        time.sleep(0.3)
+        assert sfapp.recorder.llen("runs:hc") == 2  # the third waits: the hold is the third run
+        assert sorted(st.slot for st in sf.status_all(sfapp.app, key)) == [0, 1, 2]
+    assert sorted(r.get(timeout=20) for r in results) in ([0, 1, 2], [1, 1, 2], [1, 2, 2])
+
+    busy = sfapp.limited.render_key("hc-busy")
+    running = [sfapp.limited.delay("hc-busy", 2.0) for _ in range(3)]
+    wait_for(lambda: sfapp.recorder.llen("runs:hc-busy") == 3, timeout=15)
+    with pytest.raises(LockHeld), hold(sfapp.app, busy, slots=3, wait=0):
+        pytest.fail("every slot is held")
+    with hold(sfapp.app, busy, slots=3, wait=15) as lease:
+        assert lease.lease.slot in (0, 1, 2)
+        assert int(sfapp.recorder.get("active:hc-busy") or 0) <= 2  # it got a slot once a run ended
+    assert all(isinstance(r.get(timeout=20), int) for r in running)
+    assert sfapp.recorder.lrange("overlaps", 0, -1) == []

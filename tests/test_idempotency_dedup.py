@@ -87,13 +87,13 @@ def test_100_concurrent_sends_queue_one_message_and_share_its_id(
     (only,) = ids
     assert sfapp.deduped.AsyncResult(only).get(timeout=15) == only
     wait_for(lambda: not redis_server.client(2).exists(
-        sfapp.deduped.store.marker_key(sfapp.deduped.render_key("a1"))), timeout=5)
+        sfapp.deduped.store.layout.enqueued(sfapp.deduped.render_key("a1"))), timeout=5)
     nxt = sfapp.deduped.apply_async(("a1", 0.01), queue=queue)
     assert nxt.id != only and nxt.get(timeout=15) == nxt.id
 
 
 def test_a_failed_publish_leaves_no_marker(sfapp: ModuleType, redis_server: RedisServer) -> None:
-    marker = sfapp.deduped.store.marker_key(sfapp.deduped.render_key("fails"))
+    marker = sfapp.deduped.store.layout.enqueued(sfapp.deduped.render_key("fails"))
     with pytest.raises(EncodeError):
         sfapp.deduped.apply_async(("fails", object()), queue="dedup-never")  # not JSON-serializable
     assert not redis_server.client(2).exists(marker)

@@ -43,10 +43,13 @@ from celery_singleflight import (
     hold,
     store_for,
 )
+from celery_singleflight.acl import LIBRARY_COMMANDS, key_patterns
+from celery_singleflight.acl import acl_rule as rule_for
 from celery_singleflight.connection import redis_client
 from celery_singleflight.heartbeat import Heartbeat
-from celery_singleflight.lease import Parked
-from celery_singleflight.queueing import QueueSweeper
+from celery_singleflight.progress import ProgressUpdate
+from celery_singleflight.replies import Parked
+from celery_singleflight.sweeper import QueueSweeper
 from celery_singleflight.testing import RedisServer
 
 from .conftest import TESTS, wait_for, worker_env
@@ -54,45 +57,10 @@ from .conftest import TESTS, wait_for, worker_env
 NS_A, NS_B = "tenant-a", "tenant-b"
 PASSWORD = "s3cret-tenant"
 
-#: Every command the library sends to its lease Redis, at top level or inside its Lua scripts.
-#: ``test_the_acl_grants_exactly_what_a_full_run_uses`` checks that a full run uses exactly these
-#: (plus PING, which redis-py sends as the health check of a connection idle for 30 s).
-LIBRARY_COMMANDS = (
-    # the scripts: EVALSHA, and SCRIPT LOAD when Redis does not know a script yet (NOSCRIPT)
-    "evalsha", "script|load",
-    # inside the scripts (Redis checks the user's ACL there too); GET and SET also at top level for
-    # the idempotency window, LLEN and PTTL for status and the sweeper
-    "del", "exists", "get", "hdel", "hget", "hincrby", "hmget", "hset", "incr", "lindex", "llen",
-    "lpush", "lrange", "lrem", "pexpire", "pttl", "rpush", "set", "time", "xadd",
-    # status, listing (SCAN ... TYPE hash) and watching
-    "hgetall", "scan", "xrange", "xread",
-    # the namespace's index of keys with parked or joined runs (the queue sweeper)
-    "zadd", "zrangebyscore", "zrem",
-    # redis-py's health check
-    "ping",
-)
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def key_patterns(namespace: str) -> list[str]:
-    """The Redis glob patterns of every key of ``namespace``: ``<ns>:{*`` and ``<ns>:waiting``.
-
-    Not ``<ns>:*``: that would also match the keys of a namespace ``<ns>:x``.
-    """
-    ns = _glob_escape(namespace)
-    return [f"{ns}:{{*", f"{ns}:waiting"]
-
-
 def acl_rule(namespace: str, password: str = PASSWORD) -> list[str]:
-    """The recommended per-tenant ACL (``ACL SETUSER <user> <rule...>``), as in docs/isolation.md."""
-    return [
-        "reset", "on", f">{password}",
-        *(f"~{pattern}" for pattern in key_patterns(namespace)),
-        "resetchannels", "-@all", *(f"+{command}" for command in LIBRARY_COMMANDS),
-    ]
+    """The recommended per-tenant ACL (``ACL SETUSER <user> <rule...>``), as ``celery singleflight acl``
+    prints it and docs/isolation.md shows it."""
+    return rule_for(namespace, password)
 
 
 def set_user(admin: redis.Redis, user: str, rule: list[str]) -> str:
@@ -164,11 +132,12 @@ def test_one_key_is_held_independently_in_two_namespaces(admin: redis.Redis) -> 
     got_b = b.acquire(key, tok_b, 5, Holder("run-b"))
     assert isinstance(got_a, Acquired) and isinstance(got_b, Acquired)
     b_fence = got_b.fence
+    b_deadline = int(b.holder_record(key)["deadline"])
 
     def b_intact() -> None:
         record = b.holder_record(key)
         assert record["token"] == tok_b and record["task_id"] == "run-b" and int(record["fence"]) == b_fence
-        assert 0 < admin.pttl(b.lease_key(key)) <= 5000  # never renewed by tenant-a
+        assert int(record["deadline"]) == b_deadline  # never renewed by tenant-a
         st = read_b.read(key)
         assert st is not None and st.held and st.task_id == "run-b" and st.state == "running"
         assert st.duplicates == 0 and st.released_by is None and st.current is None
@@ -187,9 +156,8 @@ def test_one_key_is_held_independently_in_two_namespaces(admin: redis.Redis) -> 
     posing = Lease(key=key, token=tok_b, fence=b_fence, ttl=30, interval=10, task_id="run-b",
                    task_name="t", store=a, since=got_b.since)
     assert a.renew([lease_a, posing]) == [True, False]
-    assert a.progress(lease_a, json.dumps({"state": "loading"}),
-                      ["state", "loading", "current", "1", "total", "3"])
-    assert a.progress(posing, json.dumps({"state": "forged"}), ["state", "forged"]) is False
+    lease_a.write_progress(ProgressUpdate("loading", 1, 3))
+    assert a.progress(key, 0, tok_b, json.dumps({"state": "forged"}), "forged", 1) is False
     assert a.note_duplicate(key, "run-a2", "skipped")
     st_a = read_a.read(key)
     assert st_a is not None and st_a.state == "loading" and st_a.current == 1 and st_a.duplicates == 1
@@ -294,9 +262,9 @@ def test_adversarial_keys_on_redis_stay_in_their_namespace(admin: redis.Redis, n
     # a parked run puts the key in the namespace's waiting index too
     assert isinstance(a.park("x}:lease", "p-1", "h-1", "{}", None, 0.5), Parked)
 
-    keys_b = {name for key in victims for name in (b.lease_key(key), b.fence_key(key))}
-    keys_a = {name for key in ADVERSARIAL_KEYS for name in (a.lease_key(key), a.fence_key(key))}
-    keys_a |= {a.queue_key("x}:lease"), a.parked_key("x}:lease"), a.waiting_index_key()}
+    keys_b = {name for key in victims for name in (b.layout.run(key),)}
+    keys_a = {name for key in ADVERSARIAL_KEYS for name in (a.layout.run(key),)}
+    keys_a |= {a.layout.queue("x}:lease"), a.layout.parked("x}:lease"), a.layout.waiting()}
     assert names(admin) == keys_a | keys_b
     assert {n for p in key_patterns(ns_a) for n in names(admin, p)} == keys_a
     assert {n for p in key_patterns(ns_b) for n in names(admin, p)} == keys_b
@@ -308,6 +276,7 @@ def test_adversarial_keys_on_redis_stay_in_their_namespace(admin: redis.Redis, n
 
     for key in ADVERSARIAL_KEYS:
         assert StatusReader(a).force_release(key, "ops@a") == f"a:{key}"
+    # a reader without an app leaves the hand-on of a parked run to a worker's sweeper
     assert StatusReader(a).held() == []
     for key, tok in victims.items():
         record = b.holder_record(key)
@@ -343,8 +312,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     wait_for(lambda: beat.rounds >= 2, timeout=5)
     beat.stop()
     assert not lease.lost
-    assert store.progress(lease, json.dumps({"state": "loading"}),
-                          ["state", "loading", "current", "1", "total", "2"])
+    lease.write_progress(ProgressUpdate("loading", 1, 2))
     assert isinstance(held := store.acquire(key, token(), 5, Holder("run-3")), Held)
     assert held.holder == "run-1"
     assert store.note_duplicate(key, "run-3", "skipped")
@@ -419,7 +387,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     again = sync.apply(("acme", "m-1"))  # a repeat of the message: remembered, not run
     assert again.get()["synced"] == "m-1"
     assert sync.apply_async(("acme", "m-1")).id != first.id  # the run ended: a new message
-    assert store.clear_enqueued('acct:"acme"', "nobody") is False
+    assert store.clear_enqueued("acct:acme", "nobody") is False
 
     # hold(): progress, a refused second hold, status through the app
     with hold(app, "maintenance:db", ttl=3, holder="ops-hold") as h:
@@ -529,7 +497,7 @@ def test_scan_is_not_limited_by_acl_key_patterns(acl_redis: RedisServer, admin: 
     b.acquire("secret-customer:42", token(), 30, Holder("run-b"))
     client = redis.Redis.from_url(url)
     try:
-        assert names(client) == {b.lease_key("secret-customer:42"), b.fence_key("secret-customer:42")}
+        assert names(client) == {b.layout.run("secret-customer:42")}
         assert StatusReader(LeaseStore(client, KeyLayout(NS_A))).held() == []
     finally:
         client.close()
@@ -553,7 +521,7 @@ def test_a_library_call_for_another_namespace_fails_with_noperm(
         "acquire": lambda: store.acquire("k", token(), 5, Holder("x")),
         "renew": lambda: store.renew([lease]),
         "release": lambda: store.release("held-by-b", b_tok),
-        "progress": lambda: store.progress(lease, "{}", ["state", "x"]),
+        "progress": lambda: store.progress("held-by-b", 0, b_tok, "{}", "x", 1),
         "force_release": lambda: reader.force_release("held-by-b", "intruder"),
         "read": lambda: reader.read("held-by-b"),
         "held": lambda: reader.held(),
@@ -574,7 +542,7 @@ def test_a_library_call_for_another_namespace_fails_with_noperm(
     with pytest.raises(Exception) as info, hold(app, "k"):
         pytest.fail("hold() must not get a key of another tenant")
     assert isinstance(info.value.__cause__ or info.value, redis.exceptions.NoPermissionError)
-    assert names(admin) == {b_admin.lease_key("held-by-b"), b_admin.fence_key("held-by-b")}
+    assert names(admin) == {b_admin.layout.run("held-by-b")}
     assert b_admin.holder_record("held-by-b")["token"] == b_tok
 
 
@@ -641,7 +609,7 @@ def test_a_real_worker_runs_with_the_tenant_acl(
     assert sfapp.recorder.llen("overlaps") == 0
 
     leases = StatusReader(LeaseStore(admin, KeyLayout("sf")))
-    for key in ('q:"acl-q"', 'job:"acl-r"', 'j:"acl-j"', 'k:"acl-hb"', 'conv:"acl-t"'):
+    for key in ("q:acl-q", "job:acl-r", "j:acl-j", "k:acl-hb", "conv:acl-t"):
         st = leases.read(key)
         assert st is not None and st.outcome == "succeeded", (key, st)
     written = names(admin)

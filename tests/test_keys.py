@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -11,8 +12,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from celery_singleflight import ConfigurationError, KeyTemplateError
-from celery_singleflight.keys import MAX_KEY_LENGTH, KeyLayout, canonical, compile_key, digest_key
+from celery_singleflight import ConfigurationError, KeyTemplateError, UnstableKeyError
+from celery_singleflight.keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
+from celery_singleflight.layout import KeyLayout
 
 DIGEST_MARK = "~sha256v1~"
 PROPERTY = settings(max_examples=200, deadline=None, database=None)
@@ -86,7 +88,7 @@ def test_positional_keyword_and_default_calls_share_a_key():
         key((), {"account_id": 1, "region": "eu"}),
     }
 
-    assert keys == {'sync:1:"eu"'}
+    assert keys == {"sync:1:eu"}
 
 
 def test_a_non_default_value_changes_the_key():
@@ -155,7 +157,7 @@ def test_nested_field_placeholder():
     """Given <a.b.c>, nested dicts and objects are followed."""
     value = {"b": SimpleNamespace(c="deep")}
 
-    assert render("k:<a.b.c>", one_arg, value) == 'k:"deep"'
+    assert render("k:<a.b.c>", one_arg, value) == "k:deep"
 
 
 @pytest.mark.parametrize("user", [{"name": "ann"}, SimpleNamespace(name="ann")])
@@ -206,7 +208,7 @@ def test_task_with_var_keyword_accepts_any_name():
     """Given a task taking **kwargs, any placeholder name compiles and renders from the kwargs."""
     key = key_for("k:<anything>:<other.field>", takes_kwargs)
 
-    assert key((), {"anything": 3, "other": {"field": "f"}}) == 'k:3:"f"'
+    assert key((), {"anything": 3, "other": {"field": "f"}}) == "k:3:f"
 
 
 def test_var_keyword_task_without_the_argument_raises_at_render_time():
@@ -380,6 +382,48 @@ def test_moving_the_boundary_between_two_strings_changes_the_key(text, cut):
     assert key((text[:cut], text[cut:]), {}) != key((text[: cut - 1], text[cut - 1 :]), {})
 
 
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [("acme", "k:acme"), ("cid_123", "k:cid_123"), ("eu-west.1", "k:eu-west.1"), ("_x", "k:_x"),
+     ("42", 'k:"42"'), ("-1", 'k:"-1"'), ("true", 'k:"true"'), ("null", 'k:"null"'), ("NaN", 'k:"NaN"'),
+     ("a:b", 'k:"a:b"'), ("a b", 'k:"a b"'), ("", 'k:""'), ("é", 'k:"é"'), ('"q"', 'k:"\\"q\\""'),
+     (42, "k:42"), (None, "k:null"), (True, "k:true")],
+)
+def test_a_name_like_string_renders_bare(value, key):
+    """Given a string that reads as a name, it renders as a person types it; anything that could
+    read as another value (a number, a JSON literal) or hold a separator keeps its quotes."""
+    assert render("k:<a>", one_arg, value) == key
+
+
+def test_a_bare_string_never_holds_the_text_that_follows_its_placeholder():
+    """Given ``<a>-<b>``, a value of ``a`` with a '-' keeps its quotes, so ('x-y', 'z') and
+    ('x', 'y-z') stay two keys; the last placeholder, followed by nothing, may hold it."""
+    first = render("k:<a>-<b>", two_args, "x-y", "z")
+    second = render("k:<a>-<b>", two_args, "x", "y-z")
+
+    assert (first, second) == ('k:"x-y"-z', "k:x-y-z")
+
+
+#: every string up to 3 characters over the characters that could confuse a bare rendering with
+#: its neighbours, and values of other types that print alike
+_TRICKY = [
+    "".join(chars) for size in range(4) for chars in itertools.product("a-_1", repeat=size)
+] + ["e", "1e", "1e-05", 1e-05, 1, -1, True, None, "true", "a.b", ".", "a:b"]
+
+
+@pytest.mark.parametrize("template", ["k:<a>:<b>", "k:<a>-<b>", "k:<a>_<b>", "<a>-<b>", "<a>_<b>_x", "<a>-x"])
+def test_bare_strings_keep_every_template_collision_free(template):
+    """Given a template with ':', '-' or '_' separators, every pair of values full of those
+    characters (over 8,000 pairs) renders to its own key."""
+    def run(a: Any, b: Any = None) -> None: ...
+
+    key = compile_key(template, inspect.signature(run), "t")
+    seen: dict[str, tuple[str, str]] = {}
+    for a, b in itertools.product(_TRICKY, repeat=2):
+        rendered, values = key((a, b), {}), (canonical(a), canonical(b) if "<b>" in template else "")
+        assert seen.setdefault(rendered, values) == values, (template, rendered)
+
+
 # -- the Redis key layout --------------------------------------------------------------------
 
 user_keys = st.text(min_size=1, max_size=40) | st.text(
@@ -462,3 +506,112 @@ def test_short_key_cannot_pose_as_the_digest_of_a_long_one():
     digested = digest_key(long_key)
     assert digest_key(digested) != digested
     assert len(digest_key(digested)) <= 256
+
+
+# -- keys that would drift: refused, naming the parameter, its type and the fix --------------------
+
+
+class Thing:
+    """Rendered with the default ``object.__repr__``: a memory address, different per process."""
+
+
+class NamedThing:
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+    def __str__(self) -> str:
+        return f"thing-{self.ident}"
+
+
+def _sync(account: Any, region: str = "eu") -> None: ...
+
+
+def test_a_value_rendered_with_a_memory_address_is_refused_naming_the_parameter_and_the_fix() -> None:
+    render = compile_key("sync:<account>", inspect.signature(_sync), "proj.sync")
+    with pytest.raises(UnstableKeyError) as info:
+        render((Thing(),), {})
+    message = str(info.value)
+    assert "<account>" in message and "proj.sync" in message and "Thing" in message
+    assert "memory address" in message and "__str__" in message and "callable" in message
+    assert isinstance(info.value, KeyTemplateError)  # one base class: a bad key is a configuration error
+
+
+@pytest.mark.parametrize("value", [
+    [1, Thing()], {"nested": {"deep": Thing()}}, lambda: 1, (x for x in range(2)), {Thing(): 1},
+])
+def test_an_address_anywhere_in_the_value_is_refused(value: Any) -> None:
+    render = compile_key("sync:<account>", inspect.signature(_sync), "proj.sync")
+    with pytest.raises(UnstableKeyError, match="<account>"):
+        render((value,), {})
+
+
+def test_a_value_with_its_own_rendering_gives_one_key_in_every_process() -> None:
+    render = compile_key("sync:<account>", inspect.signature(_sync), "proj.sync")
+    assert render((NamedThing(7),), {}) == render((NamedThing(7),), {}) != render((NamedThing(8),), {})
+
+
+def test_a_callable_key_that_returns_an_address_is_refused() -> None:
+    render = compile_key(lambda account, region="eu": f"sync:{account}", inspect.signature(_sync), "p.sync")
+    with pytest.raises(UnstableKeyError, match="memory address"):
+        render((Thing(),), {})
+    assert render((NamedThing(1),), {}) == "sync:thing-1"
+
+
+def test_a_drifting_argument_is_refused_before_anything_is_sent() -> None:
+    """Sending (``delay``/``apply_async``) renders the key first: the caller gets the error and no
+    message is published; a run reaching a worker another way (by name) fails with it too."""
+    from celery import Celery
+    from celery import signals as celery_signals
+
+    from celery_singleflight import SingleFlightTask
+
+    app = Celery("drift", broker="memory://", set_as_current=False)
+    app.conf.singleflight_redis_url = "redis://127.0.0.1:1/0"  # never reached
+
+    @app.task(base=SingleFlightTask, name="drift.sync", shared=False, lock_key="sync:<account>",
+              on_duplicate="skip")
+    def sync(account: Any) -> None: ...
+
+    published: list[Any] = []
+
+    def receiver(sender: Any = None, **_: Any) -> None:
+        published.append(sender)
+
+    celery_signals.before_task_publish.connect(receiver, weak=False)
+    try:
+        with pytest.raises(UnstableKeyError, match="<account>"):
+            sync.delay(Thing())
+        with pytest.raises(UnstableKeyError):
+            sync.apply_async(kwargs={"account": Thing()})
+        assert published == []
+        with pytest.raises(UnstableKeyError):
+            sync.apply(args=(Thing(),)).get()
+    finally:
+        celery_signals.before_task_publish.disconnect(receiver)
+
+
+def _plain(a: Any, b: Any = 2, *, c: Any = 3, d: Any) -> None: ...
+
+
+@given(
+    args=st.lists(st.integers(), max_size=4),
+    kwargs=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e"]), st.integers(), max_size=4),
+)
+def test_the_fast_binding_agrees_with_signature_bind_or_steps_aside(
+    args: list[int], kwargs: dict[str, int]
+) -> None:
+    """Keys are rendered on every run through a fast binder; for any call it either binds exactly as
+    ``Signature.bind`` + ``apply_defaults`` would, or steps aside (None) and lets bind decide."""
+    from celery_singleflight.keys import _fast_binder
+
+    signature = inspect.signature(_plain)
+    fast = _fast_binder(signature)
+    assert fast is not None
+    got = fast(tuple(args), dict(kwargs))
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        assert got is None
+        return
+    bound.apply_defaults()
+    assert got is None or got == dict(bound.arguments)

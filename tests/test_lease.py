@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+import signal
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
 
-from celery_singleflight import Acquired, Held, Holder, KeyLayout, Lease, LeaseStore
+from celery_singleflight import Acquired, Held, Holder, KeyLayout, Lease, LeaseStore, scripts
 from celery_singleflight.heartbeat import Heartbeat
 from celery_singleflight.testing import RedisServer
 
+from .chaos.faultproxy import FaultProxy, stall_reply
 from .conftest import wait_for
 
 
@@ -49,7 +53,13 @@ def test_only_the_owner_token_can_release_or_renew(store: LeaseStore) -> None:
     assert store.holder_record("k")["task_id"] == "task-a"
     assert store.release("k", token).ours is True
     assert store.holder_record("k") == {}
-    assert store.release("k", token).ours is False  # a late second release cannot free a new holder
+    # a second run of the same release (a lost reply re-sent) answers as the first did and frees
+    # nothing more, also once a new holder has the key
+    assert store.release("k", token).ours is True
+    newer = _token()
+    assert isinstance(store.acquire("k", newer, 10, Holder("task-b")), Acquired)
+    assert store.release("k", token).ours is True
+    assert store.holder_record("k")["task_id"] == "task-b"
 
 
 def test_expired_holder_cannot_release_the_next_owner(store: LeaseStore) -> None:
@@ -75,11 +85,12 @@ def test_a_redelivery_parked_behind_its_own_run_is_dropped_when_that_run_release
     assert parked is not None and not isinstance(parked, int) and parked.position == 1
     # a third delivery keeps the first copy (its handoff token and message stay as they were)
     store.park("k", "run-a", "own-a2", "another-copy", None, 0.5)
-    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-a|own-a", b"run-b|hb"]
+    assert store.client.lrange(store.layout.queue("k"), 0, -1) == [b"run-a|own-a", b"run-b|hb"]
     released = store.release("k", token)
     assert released.ours and released.handoff == "message-b"
-    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-b|hb"]
-    assert set(store.client.hkeys(store.parked_key("k"))) == {b"run-b", b"r:run-b"}
+    assert store.client.lrange(store.layout.queue("k"), 0, -1) == [b"run-b|hb"]
+    assert set(store.client.hkeys(store.layout.parked("k"))) == {b"run-b"}
+    assert store.holder_record("k")["task_id"] == "run-b"  # the slot is reserved for run-b
 
 
 def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: LeaseStore) -> None:
@@ -95,19 +106,30 @@ def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: L
     assert store.holder_record("k")["task_id"] == "run-a" and store.holder_record("k")["token"] == "own-a"
     adopted = store.acquire("k", _token(), 10, Holder("run-a"), handoff="own-a")
     assert isinstance(adopted, Acquired)
-    assert store.client.lrange(store.queue_key("k"), 0, -1) == [b"run-b|hb"]
+    assert store.client.lrange(store.layout.queue("k"), 0, -1) == [b"run-b|hb"]
 
 
-def test_a_redelivery_copy_is_dropped_by_its_runs_late_release(store: LeaseStore) -> None:
-    """Given a run whose lease expired (frozen past its TTL) and whose redelivery parked a copy,
-    when the run ends and releases late (not ours any more), then the copy is dropped: the run
-    ended, so it is not repeated."""
+@pytest.mark.parametrize("taken_meanwhile", [False, True])
+def test_a_redelivery_copy_is_dropped_by_its_runs_late_release(
+    store: LeaseStore, taken_meanwhile: bool
+) -> None:
+    """Given a run whose lease ran out (frozen past its TTL) and whose redelivery parked a copy,
+    when the run ends and releases late, then the copy is dropped: the run ended, so it is not
+    repeated. The late release is the run's own if nobody took the key meanwhile. If another run
+    came meanwhile, the free key went to the copy (its run looked gone): the late release then
+    reports the loss and the copy, already handed the key, stays."""
     token = _token()
-    store.acquire("k", token, 0.2, Holder("run-a"))
+    first = store.acquire("k", token, 0.2, Holder("run-a"))
+    assert isinstance(first, Acquired)
     store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5)
     time.sleep(0.3)
-    assert store.release("k", token, task_id="run-a").ours is False
-    assert store.queued("k") == 0 and not store.client.exists(store.parked_key("k"))
+    if taken_meanwhile:
+        other = store.acquire("k", _token(), 10, Holder("run-z"))
+        assert isinstance(other, Held) and other.handoff == "copy-of-a"
+    released = store.release("k", token, fence=first.fence, task_id="run-a")
+    assert released.ours is (not taken_meanwhile)
+    assert store.queued("k") == (1 if taken_meanwhile else 0)
+    assert store.client.exists(store.layout.parked("k")) == (1 if taken_meanwhile else 0)
 
 
 def test_a_redelivery_copy_never_gets_a_second_slot_of_its_running_task(store: LeaseStore) -> None:
@@ -274,7 +296,7 @@ def test_heartbeat_reports_a_lease_deleted_behind_its_back(store: LeaseStore) ->
     lease = _lease(store, "gone", 0.6, 0.2)
     beat.add(lease)
     try:
-        store.client.delete(store.lease_key("gone"))
+        store.client.delete(store.layout.run("gone"))
         wait_for(lambda: lease.lost, timeout=3)
         with pytest.raises(LeaseLost, match="gone"):
             lease.check()
@@ -299,3 +321,112 @@ def test_heartbeat_marks_lost_when_redis_stays_unreachable_past_the_ttl() -> Non
         beat.stop()
     finally:
         server.close()
+
+
+def test_the_heartbeat_survives_any_exception_and_keeps_renewing(
+    store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a progress flush that raises a non-Redis error on the heartbeat thread and a renewal
+    round that breaks (a bug, not an outage), then the thread logs each with its traceback and goes
+    on: the other lease stays renewed well past its TTL and is never reported lost."""
+    from celery_singleflight.progress import ProgressReporter, ProgressUpdate
+
+    beat = Heartbeat(store)
+    healthy = _lease(store, "healthy", 0.6, 0.2)
+    broken = _lease(store, "broken-flush", 0.6, 0.2)
+
+    def write(update: ProgressUpdate) -> None:
+        if update.state != "a":  # the first is written by the caller; the pending one breaks
+            raise RuntimeError("a progress hook broke")
+
+    broken.reporter = ProgressReporter(1.0, write, beat.schedule_flush)
+    real_renew = store.renew
+    calls = {"n": 0}
+
+    def flaky_renew(leases: Any) -> list[bool]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("a renewal round broke")
+        return real_renew(leases)
+
+    store.renew = flaky_renew  # type: ignore[method-assign]
+    try:
+        beat.add(healthy)
+        beat.add(broken)
+        broken.reporter.submit(ProgressUpdate("a"))
+        broken.reporter.submit(ProgressUpdate("b"))  # pending: the heartbeat thread flushes it
+        time.sleep(2.0)  # more than three TTLs
+        assert not healthy.lost and healthy.time_left > 0
+        assert calls["n"] >= 5
+        assert "a renewal round broke" in caplog.text and "a progress hook broke" in caplog.text
+    finally:
+        store.renew = real_renew  # type: ignore[method-assign]
+        beat.stop()
+
+
+def test_a_stream_of_short_leases_does_not_wake_the_heartbeat_each_time(store: LeaseStore) -> None:
+    """Given 300 leases each added and discarded before the renewer thread could look at it (the
+    short runs of a busy worker), then the thread is woken about once, not once per lease: it
+    plans its tick from the first lease even if that lease is already gone when it looks."""
+    beat = Heartbeat(store)
+    try:
+        for i in range(300):
+            lease = _lease(store, f"short-{i}", 30, 10)
+            beat.add(lease)
+            beat.discard(lease)
+            store.release(lease.key, lease.token, fence=lease.fence)
+        time.sleep(0.2)
+        assert beat.wakeups <= 2, beat.wakeups
+    finally:
+        beat.stop()
+
+
+def test_a_call_stopped_before_its_reply_leaves_the_next_call_in_step(redis_server: RedisServer) -> None:
+    """Each thread keeps one connection for its lease scripts. A call stopped between sending and
+    reading (a soft time limit, a signal) must not leave its reply to be read as the next call's:
+    the next acquire on another key gets its own answer, not the stalled one's."""
+    class Stopped(Exception):
+        pass
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise Stopped
+
+    with FaultProxy(redis_server.port) as proxy:
+        store = LeaseStore(redis.Redis.from_url(proxy.url(2)), KeyLayout(f"kept-{uuid.uuid4().hex[:6]}"))
+        proxy.add_rule(stall_reply(1.0), script=scripts.ACQUIRE, nth=1)
+        previous = signal.signal(signal.SIGALRM, stop)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(Stopped):
+                store.acquire("stalled", _token(), 10, Holder("task-a"))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        time.sleep(1.0)  # the stalled reply has arrived by now, on whatever connection it was
+        mine = _token()
+        got = store.acquire("next", mine, 10, Holder("task-b"))
+        assert isinstance(got, Acquired)
+        assert store.holder_record("next")["task_id"] == "task-b"
+        assert store.release("next", mine).ours is True
+        assert store.record("next")["state"] == "succeeded"
+
+
+def test_a_thread_gives_its_kept_connection_back_when_it_ends(redis_server: RedisServer) -> None:
+    """Threads that run lease scripts keep a connection each and give it back when they end: a
+    hundred short-lived threads do not leave a hundred connections open."""
+    client = redis_server.client(2)
+    store = LeaseStore(client, KeyLayout(f"threads-{uuid.uuid4().hex[:6]}"))
+    pool = client.connection_pool
+
+    def one(index: int) -> None:
+        token = _token()
+        assert isinstance(store.acquire(f"k{index}", token, 10, Holder(f"t{index}")), Acquired)
+        assert store.release(f"k{index}", token).ours
+
+    for index in range(100):
+        thread = threading.Thread(target=one, args=(index,))
+        thread.start()
+        thread.join()
+    gc.collect()
+    assert len(pool._in_use_connections) <= 1  # type: ignore[attr-defined]
+    assert len(pool._available_connections) <= 2  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 from types import ModuleType
 
@@ -41,7 +42,7 @@ def test_skip_ends_successfully_and_says_why(sfapp: ModuleType, shared_worker: W
     outcome = dup.get(timeout=15)
     assert dup.state == "SUCCESS"
     assert is_skipped(outcome)
-    assert outcome["holder"] == holder.id and outcome["key"] == 'k:"s"'
+    assert outcome["holder"] == holder.id and outcome["key"] == "k:s"
     assert sfapp.recorder.llen("runs:s") == 1  # the duplicate did not run
     log = shared_worker.log()
     assert "held by" in log and "skipped" in log
@@ -60,6 +61,18 @@ def test_retry_runs_after_the_holder_without_spending_max_retries(
     runs = sfapp.recorder.lrange("runs:t", 0, -1)
     assert runs == [holder.id.encode(), dup.id.encode()]
     assert sfapp.recorder.llen("overlaps") == 0
+
+
+def test_retry_waits_as_its_backoff_options_say(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
+    """Given ``retry_backoff=0.6, retry_backoff_max=0.6, retry_jitter=False``, every wait of the
+    duplicate is exactly 0.6 s (the default would start at 0.1 s with jitter and double)."""
+    holder = start_holder(sfapp, "tuned", 2.0)
+    dup = sfapp.hold_retry_tuned.delay("tuned", 0.05)
+    assert dup.get(timeout=30)["key"] == "tuned"
+    holder.get(timeout=15)
+    waits = re.findall(rf"hold_retry_tuned\[{dup.id}\].*retry in ([0-9.]+)s", shared_worker.log())
+    assert len(waits) >= 2 and set(waits) == {"0.60"}, waits
+    assert sfapp.recorder.lrange("runs:tuned", 0, -1) == [holder.id.encode(), dup.id.encode()]
 
 
 def test_retry_gives_up_after_max_wait_as_raise_would(
@@ -135,7 +148,7 @@ def test_threads_and_solo_pools(sfapp: ModuleType, start_worker: object, pool: s
         # worker here checks that acquire and release work on the worker's own thread
         assert sfapp.hold_raise.apply_async(("solo", 0.01), queue=q).get(timeout=15)["key"] == "solo"
         assert sfapp.retry_once.apply_async(("solo-retry",), queue=q).get(timeout=15) == 1
-        assert sfapp.hold_raise.store.holder_record('k:"solo"') == {}
+        assert sfapp.hold_raise.store.holder_record("k:solo") == {}
         return
     holder = start_holder(sfapp, "th", 1.0, queue=q)
     raised = sfapp.hold_raise.apply_async(("th",), queue=q)
@@ -147,4 +160,4 @@ def test_threads_and_solo_pools(sfapp: ModuleType, start_worker: object, pool: s
     assert retried.get(timeout=30)["key"] == "th"
     holder.get(timeout=15)
     assert sfapp.recorder.llen("overlaps") == 0
-    assert sfapp.hold_raise.store.holder_record('k:"th"') == {}
+    assert sfapp.hold_raise.store.holder_record("k:th") == {}

@@ -9,6 +9,7 @@ import pytest
 
 import celery_singleflight as sf
 from celery_singleflight import NotInsideRun
+from celery_singleflight import states as sf_states
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .conftest import wait_for
@@ -49,8 +50,9 @@ def test_status_record_while_running(sfapp: ModuleType, shared_worker: WorkerPro
     assert [s.key for s in sf.held(sfapp.app, prefix="job:")] == [key]
     assert sf.held(sfapp.app, prefix="other:") == []
     # the caller holding the AsyncResult sees the same progress in the result backend
-    wait_for(lambda: result.state == "PROGRESS" and result.info.get("state") == "loading", timeout=5)
-    assert result.info["key"] == key
+    # (state and meta from one read: states.read, so a run ending in between cannot pair them wrong)
+    meta = wait_for(lambda: (m := sf_states.read(result)) and m.progress_state == "loading" and m, timeout=5)
+    assert meta.key == key
     result.get(timeout=15)
 
 
@@ -89,8 +91,8 @@ def test_status_has_no_arguments_unless_the_task_opts_in(
     sfapp.without_args.delay("na", secret="hunter2").get(timeout=15)
     sfapp.with_args.delay("wa", secret="hunter2").get(timeout=15)
     db = redis_server.client(2)
-    hidden = db.hgetall(sfapp.without_args.store.status_key(sfapp.without_args.render_key("na")))
-    assert hidden and b"hunter2" not in b"".join(hidden.values())
+    hidden = db.get(sfapp.without_args.store.layout.run(sfapp.without_args.render_key("na")))
+    assert hidden and b"hunter2" not in hidden
     shown = sf.status(sfapp.app, sfapp.with_args.render_key("wa"))
     assert shown is not None and shown.args == {"args": ["wa"], "kwargs": {"secret": "hunter2"}}
 
@@ -132,7 +134,7 @@ def test_progress_after_the_lease_was_lost_raises_lease_lost(
     result = sfapp.progress_after_loss.delay("pl")
     wait_for(lambda: sfapp.recorder.get("started:pl"), timeout=15)
     key = sfapp.progress_after_loss.render_key("pl")
-    redis_server.client(2).delete(sfapp.progress_after_loss.store.lease_key(key))
+    redis_server.client(2).delete(sfapp.progress_after_loss.store.layout.run(key))
     assert result.get(timeout=15) == {"error": "LeaseLost"}
 
 
@@ -208,7 +210,7 @@ def test_a_lost_run_records_lost_as_its_outcome(
     wait_for(lambda: sfapp.recorder.get("started:lostrec"), timeout=15)
     key = sfapp.progress_after_loss.render_key("lostrec")
     wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.state == "working", timeout=10)
-    redis_server.client(2).delete(sfapp.progress_after_loss.store.lease_key(key))
+    redis_server.client(2).delete(sfapp.progress_after_loss.store.layout.run(key))
     result.get(timeout=15)
     st = wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.outcome and s, timeout=10)
     assert st.outcome == "lost" and st.state == "lost" and not st.held

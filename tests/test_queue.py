@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight import QueueFull
+from celery_singleflight import QueueFull, states
 from celery_singleflight.testing import WorkerProcess
 
 from .conftest import wait_for
@@ -29,12 +29,12 @@ def test_fifo_50_runs_one_at_a_time_in_dispatch_order(sfapp: ModuleType, start_w
     holder = sfapp.queued.apply_async(("fifo", 0, 1.0), queue=q)
     wait_for(lambda: sfapp.recorder.llen("runs:fifo") >= 1, timeout=15)
     results = [sfapp.queued.apply_async(("fifo", n, 0.005), queue=q) for n in range(1, 51)]
-    wait_for(lambda: sf.status(sfapp.app, 'q:"fifo"').queued >= 10, timeout=15)  # type: ignore[union-attr]
+    wait_for(lambda: sf.status(sfapp.app, "q:fifo").queued >= 10, timeout=15)  # type: ignore[union-attr]
     assert [r.get(timeout=60) for r in [holder, *results]] == list(range(51))
     assert order(sfapp, "fifo") == list(range(51))
     assert sfapp.recorder.llen("overlaps") == 0
     assert set(sfapp.recorder.lrange("retries:fifo", 0, -1)) == {b"0"}  # max_retries untouched
-    st = sf.status(sfapp.app, 'q:"fifo"')
+    st = sf.status(sfapp.app, "q:fifo")
     assert st is not None and not st.held and st.queued == 0
 
 
@@ -63,7 +63,7 @@ def test_holder_killed_while_ten_are_parked_all_still_run_in_order(
     holder = sfapp.queued_sleeper.apply_async(("kill",), queue=q)
     pid = int(wait_for(lambda: sfapp.recorder.get("pid:kill"), timeout=15))
     parked = [sfapp.queued.apply_async(("kill", n, 0.01), queue=q) for n in range(1, 11)]
-    wait_for(lambda: sf.status(sfapp.app, 'q:"kill"').queued == 10, timeout=15)  # type: ignore[union-attr]
+    wait_for(lambda: sf.status(sfapp.app, "q:kill").queued == 10, timeout=15)  # type: ignore[union-attr]
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
     assert [r.get(timeout=30) for r in parked] == list(range(1, 11))
@@ -84,7 +84,7 @@ def test_lost_host_queue_resumes_within_about_one_ttl(
     sfapp.queued_sleeper.apply_async(("host",), queue=q)
     wait_for(lambda: sfapp.recorder.get("pid:host"), timeout=15)
     parked = [sfapp.queued.apply_async(("host", n, 0.01), queue=q) for n in range(1, 4)]
-    wait_for(lambda: sf.status(sfapp.app, 'q:"host"').queued == 3, timeout=15)  # type: ignore[union-attr]
+    wait_for(lambda: sf.status(sfapp.app, "q:host").queued == 3, timeout=15)  # type: ignore[union-attr]
     first.kill()
     start_worker(concurrency=2, queue=q, env={"SF_TEST_TTL": "3"})  # type: ignore[operator]
     assert [r.get(timeout=30) for r in parked] == [1, 2, 3]
@@ -96,7 +96,7 @@ def test_bounded_queue_overflow_fails_with_queue_full(sfapp: ModuleType, start_w
     holder = sfapp.queued_bounded.apply_async(("full", 0, 1.5), queue=q)
     wait_for(lambda: sfapp.recorder.llen("runs:full") >= 1, timeout=15)
     waiting = [sfapp.queued_bounded.apply_async(("full", n, 0.01), queue=q) for n in (1, 2)]
-    wait_for(lambda: sf.status(sfapp.app, 'q:"full"').queued == 2, timeout=15)  # type: ignore[union-attr]
+    wait_for(lambda: sf.status(sfapp.app, "q:full").queued == 2, timeout=15)  # type: ignore[union-attr]
     overflow = sfapp.queued_bounded.apply_async(("full", 3, 0.01), queue=q)
     with pytest.raises(QueueFull) as info:
         overflow.get(timeout=15)
@@ -109,6 +109,9 @@ def test_a_parked_run_shows_as_queued_to_its_caller(sfapp: ModuleType, start_wor
     sfapp.queued.apply_async(("state", 0, 1.0), queue=q)
     wait_for(lambda: sfapp.recorder.llen("runs:state") >= 1, timeout=15)
     parked = sfapp.queued.apply_async(("state", 1, 0.01), queue=q)
-    wait_for(lambda: parked.state == "QUEUED", timeout=15)
-    assert parked.info["position"] == 1 and not parked.ready()
+    meta = wait_for(lambda: (m := states.read(parked)) and m.state == states.QUEUED and m, timeout=15)
+    assert meta == states.SingleFlightMeta(states.QUEUED, key=sfapp.queued.render_key("state", 1),
+                                           holder=meta.holder)
+    assert meta.holder
+    assert not parked.ready()
     assert parked.get(timeout=15) == 1

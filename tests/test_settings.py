@@ -351,3 +351,65 @@ def test_any_value_of_any_setting_is_accepted_or_refused_clearly(setting: str, v
         return
     assert opts.ttl > 0 and 0 < opts.heartbeat_interval < opts.ttl
     assert opts.max_concurrency >= 1 and (opts.max_queued is None or opts.max_queued >= 0)
+
+
+# -- misspelled names -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [("lease_ttl", "lock_ttl"), ("lock_tll", "lock_ttl"), ("on_duplicates", "on_duplicate"),
+     ("max_concurency", "max_concurrency"), ("lock_expiry", "lock_ttl"), ("unique_on", "lock_key"),
+     ("once", "QueueOnce"), ("raise_on_duplicate", "on_duplicate='raise'"), ("Lock_TTL", "lock_ttl"),
+     ("retry_backof", "retry_backoff")],
+)
+def test_a_misspelled_task_option_is_refused_naming_the_right_one(option: str, named: str) -> None:
+    """Given ``@app.task(lease_ttl=3)`` (for ``lock_ttl``) or another library's option, the task
+    is refused when it is defined, with the name to use: Celery would ignore it silently."""
+    app = Celery("typos", broker=REDIS, set_as_current=False)
+
+    with pytest.raises(ConfigurationError) as info:
+        @app.task(bind=True, base=SingleFlightTask, lock_key="k:<a>", name=f"typo_{option}", shared=False,
+                  **{option: 3})
+        def task(self: Any, a: int) -> None: ...
+
+        task.name  # noqa: B018 - a task is created when first used (the app is lazy)
+
+    assert repr(option) in str(info.value) and named in str(info.value)
+
+
+def test_names_far_from_ours_and_celerys_own_options_are_left_alone() -> None:
+    """Given Celery's own options (autoretry, rate_limit, time_limit) and a name of the user's far
+    from ours, the task is defined; an attribute starting with '_' is never checked."""
+    app = Celery("far", broker=REDIS, set_as_current=False)
+
+    @app.task(bind=True, base=SingleFlightTask, lock_key="k:<a>", autoretry_for=(ValueError,), shared=False,
+              retry_backoff=True, rate_limit="1/m", time_limit=30, max_retries=3, my_cache_ttl=5, _lock_tll=1)
+    def task(self: Any, a: int) -> None: ...
+
+    assert task.options.retry_backoff == 1.0 and task.my_cache_ttl == 5
+
+
+def test_an_unknown_singleflight_setting_is_refused_naming_the_closest() -> None:
+    """Every ``singleflight_*`` setting is ours: a misspelled one (or a task option's name used as
+    a setting) is an error naming the right setting; in Django's form too."""
+    assert "did you mean singleflight_ttl?" in config_error(FakeTask, conf_with(singleflight_tll=3))
+    assert "did you mean singleflight_ttl?" in config_error(FakeTask, conf_with(singleflight_lock_ttl=3))
+    assert "singleflight_namespace" in config_error(FakeTask, conf_with(SINGLEFLIGHT_NAMESPAC="x"))
+    assert "the settings are:" in config_error(FakeTask, conf_with(singleflight_colour="blue"))
+
+
+def test_retry_backoff_options_resolve_and_are_validated() -> None:
+    """``retry_backoff`` (seconds, True for 1 s, False for no growth), ``retry_backoff_max`` and
+    ``retry_jitter`` resolve from the task or the settings; bad values name the option."""
+    default = resolve_options(FakeTask, conf_with())
+    assert (default.retry_backoff, default.retry_backoff_grows) == (0.1, True)
+    assert (default.retry_backoff_max, default.retry_jitter) == (None, True)
+    tuned = resolve_options(task_with(retry_backoff=2, retry_backoff_max=10, retry_jitter=False), conf_with())
+    assert (tuned.retry_backoff, tuned.retry_backoff_max, tuned.retry_jitter) == (2.0, 10.0, False)
+    flat = resolve_options(FakeTask, conf_with(singleflight_retry_backoff=False))
+    assert (flat.retry_backoff, flat.retry_backoff_grows) == (0.1, False)
+    assert resolve_options(task_with(retry_backoff=True), conf_with()).retry_backoff == 1.0
+    assert "retry_backoff" in config_error(task_with(retry_backoff=-1), conf_with())
+    assert "retry_backoff_max" in config_error(task_with(retry_backoff_max="soon"), conf_with())
+    assert "retry_jitter" in config_error(task_with(retry_jitter="yes"), conf_with())

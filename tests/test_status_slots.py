@@ -23,13 +23,14 @@ import redis
 import celery_singleflight as sf
 from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, StatusReader, signals
 from celery_singleflight.cli import status_lines, status_table
+from celery_singleflight.progress import ProgressUpdate
 from celery_singleflight.status import KeyStatus, WatchEvent, status_all
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .conftest import wait_for
 from .test_cli import finish, json_lines, run_cli, start_cli
 
-KEY = 'lim:"multi"'
+KEY = "lim:multi"
 
 
 def token() -> str:
@@ -72,30 +73,31 @@ def runs(statuses: list[KeyStatus]) -> list[tuple[str, int, str | None]]:
 
 
 #: user keys whose text looks like a slot's lease part, or tries to end the hash tag early
-SLOTLIKE_KEYS = ["lease1", "x}:lease1", "x}:lease", "a:lease2}", "}:lease1\n", "lease", "k*", "{%7D}:lease3"]
+SLOTLIKE_KEYS = ["run1", "x}:run1", "x}:run", "a:run2}", "}:run1\n", "run", "k*", "{%7D}:run3"]
 
 
 def test_held_lists_one_status_per_held_slot_and_nothing_else(store: LeaseStore, sfapp: ModuleType) -> None:
     """Given 3 runs on the 3 slots of one key, a key whose slot 0 is free but slot 1 held, keys whose
-    text contains ``lease1`` or ``}:lease``, and decoy Redis keys that look like slot leases, then
+    text contains ``run1`` or ``}:run``, and decoy Redis keys that look like slot records, then
     held() lists exactly one entry per held slot, with its slot and task id."""
     taken = take_slots(store, KEY)
     expected = [(KEY, slot, f"run-{slot}") for slot in range(3)]
     for key in SLOTLIKE_KEYS:
         take(store, key, f"one:{key}", slots=1)
         expected.append((key, 0, f"one:{key}"))
-    gap_tok, _ = take(store, 'lim:"gap"', "gap-0", slots=2)
-    take(store, 'lim:"gap"', "gap-1", slots=2)
-    assert store.release('lim:"gap"', gap_tok)  # slot 0 free, slot 1 still held
-    expected.append(('lim:"gap"', 1, "gap-1"))
+    gap_tok, _ = take(store, "lim:gap", "gap-0", slots=2)
+    take(store, "lim:gap", "gap-1", slots=2)
+    assert store.release("lim:gap", gap_tok)  # slot 0 free, slot 1 still held
+    expected.append(("lim:gap", 1, "gap-1"))
 
     client = store.client
-    decoy = {"task_id": "decoy", "token": "t", "fence": "1", "since": "1"}
-    for name in ("sf:{decoy}:lease01", "sf:{decoy}:leasex", "sf:{decoy}:lease-1", "sf:{decoy}:status1",
-                 "sf:{de%7bcoy}:lease1", "sf-other:{multi}:lease1", "sf:x:{multi}:lease2",
-                 "sf:{decoy}:lease1:x"):
-        client.hset(name, mapping=decoy)
-    client.set("sf:{decoy}:lease1", "not a hash")
+    decoy = json.dumps({"task_id": "decoy", "token": "t", "fence": "1", "since": "1", "deadline": "9" * 15})
+    for name in ("sf:{decoy}:run01", "sf:{decoy}:runx", "sf:{decoy}:run-1", "sf:{decoy}:history1",
+                 "sf:{de%7bcoy}:run1", "sf-other:{multi}:run1", "sf:x:{multi}:run2",
+                 "sf:{decoy}:run1:x"):
+        client.set(name, decoy)
+    client.set("sf:{decoy}:run1", "not a record")
+    client.hset("sf:{decoy}:run2", mapping={"task_id": "a hash"})
 
     reader = StatusReader(store)
     listed = reader.held()
@@ -103,10 +105,10 @@ def test_held_lists_one_status_per_held_slot_and_nothing_else(store: LeaseStore,
     assert all(st.held and st.ttl_left and st.ttl_left > 0 for st in listed)
     assert [st.fence for st in listed if st.key == KEY] == [taken[s][1].fence for s in range(3)]
     assert runs(sf.held(sfapp.app, prefix="lim:")) == [
-        ('lim:"gap"', 1, "gap-1"), *((KEY, s, f"run-{s}") for s in range(3))
+        ("lim:gap", 1, "gap-1"), *((KEY, s, f"run-{s}") for s in range(3))
     ]
     assert runs(reader.held(prefix="x}")) == [
-        ("x}:lease", 0, "one:x}:lease"), ("x}:lease1", 0, "one:x}:lease1")
+        ("x}:run", 0, "one:x}:run"), ("x}:run1", 0, "one:x}:run1")
     ]
     assert [st.as_dict()["slot"] for st in reader.held(prefix=KEY)] == [0, 1, 2]
 
@@ -115,10 +117,9 @@ def test_read_stays_slot_0_and_read_all_returns_every_held_slot(store: LeaseStor
     taken = take_slots(store, KEY)
     # keys whose Redis names start like KEY's: not slots of KEY
     take(store, KEY + "2", "other-2", slots=1)
-    take(store, KEY + "}:lease1", "other-tag", slots=1)
+    take(store, KEY + "}:run1", "other-tag", slots=1)
     tok1, got1 = taken[1]
-    assert store.progress(lease_of(store, KEY, "run-1", tok1, got1), json.dumps({"state": "loading"}),
-                          ["state", "loading", "current", "2", "total", "4", "message", "half"])
+    lease_of(store, KEY, "run-1", tok1, got1).write_progress(ProgressUpdate("loading", 2, 4, "half"))
     reader = StatusReader(store)
 
     zero = reader.read(KEY)
@@ -143,7 +144,7 @@ def test_read_stays_slot_0_and_read_all_returns_every_held_slot(store: LeaseStor
     for slot in (1, 2):
         assert store.release(KEY, taken[slot][0], fence=taken[slot][1].fence, slot=slot)
     assert reader.read_all(KEY) == [] and reader.read_all(KEY, slots=3) == []
-    assert reader.read_all('lim:"nobody"') == []
+    assert reader.read_all("lim:nobody") == []
     with pytest.raises(ValueError, match="slot"):
         reader.read(KEY, slot=-1)
 
@@ -189,9 +190,7 @@ def test_watch_follows_the_run_of_one_slot(store: LeaseStore) -> None:
     leases = {s: lease_of(store, KEY, f"run-{s}", *taken[s]) for s in range(3)}
 
     def progress(slot: int, state: str, current: int) -> None:
-        update = {"state": state, "current": current, "total": 3}
-        assert store.progress(leases[slot], json.dumps(update),
-                              ["state", state, "current", str(current), "total", "3"])
+        leases[slot].write_progress(ProgressUpdate(state, current, 3))
 
     progress(0, "zero", 1)
     progress(1, "one", 1)
@@ -231,8 +230,8 @@ def test_slots_stay_in_their_namespace(
     B's leases intact."""
     client = redis_server.client(2)
     a, b = LeaseStore(client, KeyLayout(ns_a)), LeaseStore(client, KeyLayout(ns_b))
-    mine = [*SLOTLIKE_KEYS, "x", f"{ns_b}:{{x}}:lease1", "}{"]
-    theirs = ["x", "lease1", "}"]
+    mine = [*SLOTLIKE_KEYS, "x", f"{ns_b}:{{x}}:run1", "}{"]
+    theirs = ["x", "run1", "}"]
     tokens_b = {}
     for key in mine:
         for i in range(2):
@@ -313,7 +312,7 @@ def test_cli_sees_and_releases_each_slot_of_a_key_held_by_three_runs(
     worker: WorkerProcess = start_worker(concurrency=3)
     results = [sfapp.limited.apply_async(("cli-slots", 60), queue=worker.queue) for _ in range(3)]  # type: ignore[attr-defined]
     key = sfapp.limited.render_key("cli-slots")
-    assert key == 'lim:"cli-slots"'
+    assert key == "lim:cli-slots"
     watcher: subprocess.Popen[str] | None = None
     try:
         listed = wait_for(lambda: len(found := sf.held(sfapp.app, prefix=key)) == 3 and found, timeout=60,

@@ -20,12 +20,12 @@ def test_task_running_three_ttls_keeps_its_lease(
 ) -> None:
     """Given a 1.5 s TTL, when the task runs 4.5 s, then its lease is held the whole time."""
     result = sfapp.heartbeat_check.delay("hb", 4.5)
-    key = sfapp.heartbeat_check.store.lease_key(sfapp.heartbeat_check.render_key("hb"))
-    db = redis_server.client(2)
-    wait_for(lambda: db.exists(key), timeout=15)
+    key = sfapp.heartbeat_check.render_key("hb")
+    store = sfapp.heartbeat_check.store
+    wait_for(lambda: store.time_left(key), timeout=15)
     seen = time.monotonic()
     while time.monotonic() - seen < 4.0:  # the run lasts 4.5 s from just before `seen`
-        assert db.exists(key), "lease expired while the task was running"
+        assert store.time_left(key), "lease expired while the task was running"
         time.sleep(0.02)
     assert result.get(timeout=5)["lost"] is False
 
@@ -36,7 +36,7 @@ def test_lease_deleted_behind_its_back_is_reported_lost(
     result = sfapp.loses_lease.delay("lost")
     wait_for(lambda: sfapp.recorder.get("started:lost"), timeout=15)
     redis_server.client(2).delete(
-        sfapp.loses_lease.store.lease_key(sfapp.loses_lease.render_key("lost"))
+        sfapp.loses_lease.store.layout.run(sfapp.loses_lease.render_key("lost"))
     )
     outcome = result.get(timeout=15)
     assert outcome["lost"] is True and outcome["error"] == "LeaseLost"

@@ -39,7 +39,7 @@ SUMMARY = re.compile(
 
 
 def lease_scripts() -> list[str]:
-    return [text for name in scripts.__all__ if isinstance(text := getattr(scripts, name), str)]
+    return list(scripts.ALL_SCRIPTS)
 
 
 @pytest.fixture(scope="module")

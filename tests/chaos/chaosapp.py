@@ -318,3 +318,25 @@ def soak_queue(self, key, seconds):
           on_duplicate="retry", max_wait=90)
 def soak_retry(self, key, seconds):
     return _soak(self, key, seconds, "retry")
+
+
+# -- the other policies on the same key space (the many-workers scenario on a Redis Cluster) -----
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.soak_raise", lock_key="s:<key>", on_duplicate="raise")
+def soak_raise(self, key, seconds):
+    return _soak(self, key, seconds, "raise")
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.soak_join", lock_key="s:<key>", on_duplicate="join")
+def soak_join(self, key, seconds):
+    return _soak(self, key, seconds, "join")
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.soak_limited", lock_key="m:<key>", max_concurrency=3,
+          on_duplicate="queue")
+def soak_limited(self, key, seconds):
+    """Up to 3 at once per key: each slot is its own key for the recorder."""
+    with Run(f"{key}#slot{self.lease.slot}", "limited", self.lease.fence):
+        time.sleep(seconds)
+    return {"ran": True}

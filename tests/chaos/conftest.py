@@ -202,7 +202,8 @@ def holder_of(task: Any, *args: Any) -> dict[str, str]:
 
 def lease_pttl(task: Any, *args: Any) -> int:
     """Milliseconds left on the lease of the key ``task`` renders for ``args`` (-2: no lease)."""
-    return int(task.store.client.pttl(task.store.lease_key(task.render_key(*args))))
+    left = task.store.time_left(task.render_key(*args))
+    return -2 if left is None else int(left * 1000)
 
 
 def round3(value: float | None) -> float | None:

@@ -56,7 +56,7 @@ def test_broker_redelivers_a_running_task(
     assert overlaps(chaos) == []
     # the copy the redelivery kept in case the first delivery's worker died was dropped by its release
     assert chaos.long_run.store.queued(key) == 0
-    assert not chaos.long_run.store.client.exists(chaos.long_run.store.parked_key(key))
+    assert not chaos.long_run.store.client.exists(chaos.long_run.store.layout.parked(key))
     wait_for(lambda: sf.held(chaos.app) == [], timeout=5)
 
 

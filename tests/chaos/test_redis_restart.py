@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import celery_singleflight as sf
+from celery_singleflight.fencing import FencedValue, fenced_get, fenced_set
 from celery_singleflight.testing import RedisServer
 
 from .conftest import Workers, interval_overlaps, overlaps, round3, runs, wait_for
@@ -45,17 +46,20 @@ def test_lease_redis_killed_and_restarted_empty(
         keys = [f"o{i}" for i in range(4)] + [key, key]
         during = [chaos.quick.apply_async((k,), queue=queue) for k in keys]
         told = holder.get(timeout=TTL + 5)  # the watcher returns as soon as it is told
-        while time.time() < down_at + OUTAGE:
+        ids = {r.id for r in during}
+        # at least OUTAGE; longer while a busy machine's worker has not yet taken every task
+        while time.time() < down_at + OUTAGE or (retry_seen != ids and time.time() < down_at + 20):
             retry_seen.update(r.id for r in during if r.state == "RETRY")
             time.sleep(0.1)
     finally:
+        restarting_at = time.time()  # from here on Redis may answer: runs may start
         lease_redis.start()
     up_at = time.time()
 
     after = [r.get(timeout=30) for r in during]
     key_fences_after = [a["fence"] for a, r in zip(after, keys, strict=True) if r == key]
     all_runs = runs(chaos)
-    started_in_outage = [r for r in all_runs if down_at <= r["start"] <= up_at]
+    started_in_outage = [r for r in all_runs if down_at <= r["start"] <= restarting_at]
     holder_run = next(r for r in all_runs if r["task_id"] == holder.id)
     first_after = min(r["start"] for r in all_runs if r["task_id"] in {d.id for d in during})
     figures.update({
@@ -78,7 +82,7 @@ def test_lease_redis_killed_and_restarted_empty(
     assert told["lost"] is True and ("Redis unreachable" in told["reason"]
                                      or "no renewal was confirmed" in told["reason"])
     assert told["lost_at"] - down_at <= TTL + 2.0
-    assert holder_run["end"] < up_at, "the holder was still running unguarded when Redis came back"
+    assert holder_run["end"] < restarting_at, "the holder was still running unguarded when Redis came back"
     assert started_in_outage == [], "a run started while the lease Redis was away"
     assert retry_seen == {r.id for r in during}, "every task sent during the outage ends up RETRY first"
     assert min(key_fences_after) > max([*before, told["fence"]]), "fences went backwards after the restart"
@@ -86,3 +90,36 @@ def test_lease_redis_killed_and_restarted_empty(
     assert overlaps(chaos) == [] and interval_overlaps(all_runs) == []
     assert "lease lost" in worker.log()
     wait_for(lambda: sf.held(chaos.app) == [], timeout=TTL + 1)
+
+
+@pytest.mark.timeout(90)
+def test_fences_keep_growing_after_a_restore_from_an_older_snapshot(
+    chaos: ModuleType, workers: Workers, queue: str, figures: dict[str, Any], broker_redis: RedisServer
+) -> None:
+    """Given runs A, then a snapshot (``SAVE``), then runs B and C, when the lease Redis is killed
+    and comes back from that snapshot (it knows only A: an RDB restore, an AOF ``everysec`` that
+    lost its last second, a failover to a lagging replica), then the next runs D and E still get
+    fences larger than C's, so a fenced write of D is accepted and C's late write is refused."""
+    with RedisServer() as lease:
+        worker = workers.one(queue, concurrency=2, env={"CHAOS_LEASE_URL": f"{lease.url}/2"})
+
+        def fence() -> int:
+            return int(chaos.quick.apply_async(("snap",), queue=queue).get(timeout=30)["fence"])
+
+        a = fence()
+        lease.client().save()
+        b, c = fence(), fence()
+        lease.kill()
+        lease.start()  # loads dump.rdb: the records of B and C are gone, A's is back
+        back = sf.StatusReader(sf.store_for(f"{lease.url}/2", "sf")).read("r:snap")
+        restored = None if back is None else back.fence
+        d, e = fence(), fence()
+        worker.stop(timeout=15)
+    figures.update(fences=[a, b, c, d, e], restored_record_fence=restored)
+    assert restored == a, "the snapshot should bring back the status of A's run"
+    assert a < b < c < d < e
+    data = broker_redis.client(3)
+    assert fenced_set(data, "snap:balance", "C", c)
+    assert fenced_set(data, "snap:balance", "D", d)
+    assert fenced_set(data, "snap:balance", "C, late", c) is False
+    assert fenced_get(data, "snap:balance") == FencedValue(b"D", d)

@@ -59,7 +59,7 @@ def test_whole_worker_killed_mid_run(
     time.sleep(0.5)  # let a renewal happen, so the lease time left at the kill is not trivially full
     # two workers park concurrently, so the FIFO is the order they parked in, not the send order
     store = chaos.queued.store
-    fifo = [e.decode().split("|")[0] for e in store.client.lrange(store.queue_key(rendered), 0, -1)]
+    fifo = [e.decode().split("|")[0] for e in store.client.lrange(store.layout.queue(rendered), 0, -1)]
     assert sorted(fifo) == sorted(r.id for r in parked)
 
     killed_at = time.time()

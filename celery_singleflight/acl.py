@@ -1,0 +1,74 @@
+"""The least-privilege Redis ACL rule for the lease Redis of one namespace.
+
+One source for the rule that ``celery singleflight acl`` prints, the docs show
+(``docs/isolation.md``, ``docs/operations.md``) and the tests apply: the keys of the namespace
+only (``<ns>:{*`` and the namespace's indexes, ``<ns>:waiting`` and the others of
+:data:`.layout.NAMESPACE_PARTS`; not ``<ns>:*``, which also matches a namespace ``<ns>:x``),
+no channels, and exactly the commands a full run uses.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .layout import NAMESPACE_PARTS
+
+__all__ = ["CLUSTER_COMMANDS", "LIBRARY_COMMANDS", "TIME_POLICY_COMMANDS", "acl_rule", "key_patterns"]
+
+#: every command the library sends to the lease Redis in a full run
+LIBRARY_COMMANDS: tuple[str, ...] = (
+    # the scripts: EVALSHA, and SCRIPT LOAD when Redis does not know a script yet (NOSCRIPT)
+    "evalsha", "script|load",
+    # inside the scripts (Redis checks the user's ACL there too); GET and SET also at top level for
+    # the idempotency window and the run records, LLEN and TIME for status and the sweeper
+    "del", "get", "hdel", "hexists", "hget", "hset", "llen", "lpos", "lpush", "lrange", "lrem",
+    "pexpire", "rpush", "set", "time", "xadd",
+    # status, listing (SCAN ... TYPE string) and watching
+    "scan", "xrange", "xread",
+    # the namespace's index of keys with parked or joined runs (the queue sweeper)
+    "zadd", "zrangebyscore", "zrem",
+    # redis-py's health check
+    "ping",
+)
+
+#: what redis-py's cluster client sends besides: the slot map (CLUSTER SLOTS) and the key
+#: positions of commands (COMMAND), when it connects
+CLUSTER_COMMANDS: tuple[str, ...] = ("cluster|slots", "command")
+
+
+#: what the time policies (``debounce``, ``key_rate_limit``) use besides: a debounce burst is read
+#: with HMGET and closed with RENAME (within its key's hash slot), the rate limit prunes and looks
+#: up its granted cells, and ``time_status()`` counts the planned ones
+TIME_POLICY_COMMANDS: tuple[str, ...] = ("hmget", "rename", "zremrangebyscore", "zscore", "zcount")
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def key_patterns(namespace: str) -> list[str]:
+    """The Redis glob patterns of every key of ``namespace``: ``<ns>:{*`` (every lock) and each
+    index of the namespace (``<ns>:waiting``, ``<ns>:superseding``, ``<ns>:ordering``)."""
+    ns = _glob_escape(namespace)
+    return [f"{ns}:{{*", *(f"{ns}:{part.name}" for part in NAMESPACE_PARTS)]
+
+
+def acl_rule(
+    namespace: str, password: str = "PASSWORD", *, database: int = 0, cluster: bool = False,
+    time_policies: bool = False,
+) -> list[str]:
+    """The rule (the words after ``ACL SETUSER <user>``) for a user of ``namespace``'s leases.
+
+    ``database`` other than 0 adds ``select`` (redis-py selects it on every connection; Redis ACLs
+    cannot limit databases); ``cluster`` adds :data:`CLUSTER_COMMANDS`; ``time_policies`` adds
+    :data:`TIME_POLICY_COMMANDS`.
+    """
+    commands = [
+        *LIBRARY_COMMANDS, *(TIME_POLICY_COMMANDS if time_policies else ()),
+        *(["select"] if database else []), *(CLUSTER_COMMANDS if cluster else ()),
+    ]
+    return [
+        "reset", "on", f">{password}",
+        *(f"~{pattern}" for pattern in key_patterns(namespace)),
+        "resetchannels", "-@all", *(f"+{command}" for command in commands),
+    ]

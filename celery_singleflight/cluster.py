@@ -1,0 +1,155 @@
+"""What a Redis Cluster changes: renewals grouped by hash slot, one pipelined batch per node.
+
+Every script of the library touches the keys of one lock, which share a hash slot (the braces of
+:mod:`.layout`), so a Cluster routes each call to the node of its slot. Only the heartbeat's
+renewal spans many locks; on a Cluster it becomes one ``RENEW_MANY`` call per slot, pipelined:
+redis-py's cluster pipeline writes the calls of every node before it reads the replies, so a
+renewal of any number of leases costs one round trip per node, in parallel. A ``MOVED``/``ASK``
+(resharding, a failover) is followed by the pipeline itself and never read as a lost lease.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from redis.commands.core import Script
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+
+__all__ = ["clocks_ms", "renew_by_slot", "slot_groups"]
+
+
+class _Renewed(Protocol):
+    key: str
+    token: str
+    slot: int
+    ttl: float
+
+    @property
+    def store(self) -> Any: ...
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def slot_groups(leases: Sequence[_Renewed]) -> dict[int, list[int]]:
+    """The indexes of ``leases`` by the hash slot of their keys."""
+    groups: dict[int, list[int]] = {}
+    for i, lease in enumerate(leases):
+        run = lease.store.layout.run(lease.key, lease.slot)
+        groups.setdefault(key_slot(run.encode()), []).append(i)
+    return groups
+
+
+def renew_by_slot(
+    client: Any, script: Script, leases: Sequence[_Renewed], keep_ms: int
+) -> tuple[list[int], int]:
+    """Renew ``leases`` on a Cluster: one ``RENEW_MANY`` per hash slot, the calls of each node
+    written on one of its connections before any reply is read (one round trip per node, all
+    nodes at once). Returns the results and the round trips made.
+
+    A call that meets a redirection (``MOVED``/``ASK`` while a slot moves, a failover), an
+    unknown script or a broken connection is sent again through the cluster client, which
+    follows redirections and reloads scripts: a renewal is safe to run twice, and only a reply
+    from the node that owns the slot decides whether a lease is lost.
+    """
+    groups = slot_groups(leases)
+    calls: dict[int, tuple[Any, ...]] = {}
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for slot, indexes in groups.items():
+        keys: list[str] = []
+        args: list[Any] = []
+        for i in indexes:
+            lease = leases[i]
+            layout = lease.store.layout
+            keys += [layout.run(lease.key, lease.slot), layout.history(lease.key, lease.slot)]
+            args += [lease.token, _ms(lease.ttl)]
+        args.append(keep_ms)
+        calls[slot] = (keys, args)
+        node = client.nodes_manager.get_node_from_slot(slot)
+        by_node.setdefault(node.name, (node, []))[1].append(slot)
+
+    replies: dict[int, Any] = {}
+    round_trips = 0
+    again: list[int] = []
+    pending = by_node
+    for attempt in (1, 2):
+        round_trips += len(pending)
+        unknown = _batch(pending, calls, script.sha, replies, again)
+        if not unknown:
+            break
+        pending = {}
+        for node, slots in unknown:
+            if attempt == 2:
+                again += slots
+                continue
+            node.redis_connection.script_load(script.script)  # the node forgot it (a restart)
+            round_trips += 1
+            pending[node.name] = (node, slots)
+    for slot in again:
+        keys, args = calls[slot]
+        replies[slot] = script(keys=keys, args=args, client=client)
+    out = [0] * len(leases)
+    for slot, indexes in groups.items():
+        for i, value in zip(indexes, replies[slot], strict=True):
+            out[i] = int(value)  # as RENEW_MANY answers: 1 ours, 2 ours but superseded, 0 gone
+    return out, round_trips + len(again)
+
+
+def _batch(
+    by_node: dict[str, tuple[Any, list[int]]], calls: dict[int, tuple[Any, ...]], sha: str,
+    replies: dict[int, Any], again: list[int],
+) -> list[tuple[Any, list[int]]]:
+    """Send every node its calls, then read the replies into ``replies``; slots to send again
+    through the cluster client go to ``again``. Returns (node, slots) that answered NOSCRIPT."""
+    unknown: list[tuple[Any, list[int]]] = []
+    sent: list[tuple[Any, Any, Any, list[int]]] = []
+    for node, slots in by_node.values():  # write every node's calls first ...
+        pool = node.redis_connection.connection_pool
+        conn = pool.get_connection()
+        commands = [("EVALSHA", sha, len(calls[slot][0]), *calls[slot][0], *calls[slot][1]) for slot in slots]
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except (ConnectionError, TimeoutError, OSError):
+            conn.disconnect()
+            pool.release(conn)
+            again += slots
+            continue
+        sent.append((node, pool, conn, slots))
+    for node, pool, conn, slots in sent:  # ... then read them: the nodes work at the same time
+        missing: list[int] = []
+        try:
+            for n, slot in enumerate(slots):
+                try:
+                    replies[slot] = conn.read_response()
+                except NoScriptError:
+                    missing.append(slot)
+                except ResponseError:  # MOVED, ASK, TRYAGAIN ...: through the cluster client
+                    again.append(slot)
+                except (ConnectionError, TimeoutError, OSError):
+                    conn.disconnect()
+                    again += slots[n:]
+                    break
+        finally:
+            pool.release(conn)
+        if missing:
+            unknown.append((node, missing))
+    return unknown
+
+
+def clocks_ms(client: Any, keys: Sequence[str]) -> list[int]:
+    """The clock (``TIME``, milliseconds) of the node that holds each of ``keys``: a lease's
+    deadline was written by its own node's clock, so its time left is read against that one.
+    One ``TIME`` per primary, whatever the number of keys."""
+    replies: Any = client.time(target_nodes=client.PRIMARIES)
+    if not isinstance(replies, dict):  # a single primary
+        replies = {node.name: replies for node in client.get_primaries()}
+    clocks = {name: int(reply[0]) * 1000 + int(reply[1]) // 1000 for name, reply in replies.items()}
+    fallback = max(clocks.values())
+    out = []
+    for key in keys:
+        node = client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+        out.append(clocks.get(node.name, fallback))
+    return out

@@ -1,0 +1,208 @@
+"""One run's life on one key: take the lease, keep it, report progress, release it, settle.
+
+:class:`Guard` is the single lifecycle behind both doors, :class:`~.task.SingleFlightTask` and
+:func:`~.hold.hold`::
+
+    guard = Guard(app, key, options, holder, sender=task.name)
+    got = guard.take()              # one round trip: Acquired, or Held (a free key handed on is settled)
+    lease = guard.begin(got)        # heartbeat, signal, log
+    guard.progress(update)          # throttled, owner-checked, one round trip per write
+    guard.end("succeeded", result=value)   # flush progress, release, settle (always, once)
+
+What a release hands back (a parked run to send, joined runs to answer) is carried out by
+:func:`~.settle.settle`, the same function every other release path calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time as mod_time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from . import signals
+from .connection import last_attempt_sent
+from .errors import LeaseLost, NotInsideRun
+from .heartbeat import heartbeat_for
+from .lease import Lease
+from .progress import ProgressReporter, ProgressUpdate
+from .replies import Acquired, Held, Holder, Settlement
+from .settings import Options
+from .settle import NO_RESULT, Ending, settle
+from .store import LeaseStore, store_for
+
+__all__ = ["Guard", "options_store"]
+
+log_acquire = logging.getLogger("celery_singleflight.acquire")
+log_release = logging.getLogger("celery_singleflight.release")
+
+#: called after each progress write with the data written (the task adds Celery meta and events)
+ProgressHook = Callable[[Lease, dict[str, Any]], None]
+
+
+def options_store(opts: Options) -> LeaseStore:
+    """The lease store of this process for a task's (or hold's) options (looked up once per
+    options object and process: every run asks)."""
+    known = _stores.get(id(opts))
+    pid = os.getpid()
+    if known is not None and known[0] is opts and known[1] == pid:
+        return known[2]
+    store = store_for(opts.redis, opts.namespace, opts.status_retention, opts.history_length)
+    if len(_stores) >= 256:  # options made per call stay bounded
+        _stores.clear()
+    _stores[id(opts)] = (opts, pid, store)
+    return store
+
+
+_stores: dict[int, tuple[Options, int, LeaseStore]] = {}
+
+
+class Guard:
+    """The lease of one run on one key, from take to settle (see the module docstring).
+
+    ``sender``: the name on signals and logs (the task name, or ``hold``). ``clear_marker``: the
+    run's task dedups at enqueue, so its release clears the enqueue marker of its task id.
+    ``computes_result=False`` (a hold): runs that joined it are sent to run themselves at its end.
+    """
+
+    def __init__(
+        self, app: Any, key: str, options: Options, holder: Holder, *, sender: str,
+        clear_marker: bool = False, on_progress: ProgressHook | None = None, store: LeaseStore | None = None,
+        computes_result: bool = True,
+    ) -> None:
+        self.app = app
+        self.key = key
+        self.options = options
+        self.holder = holder
+        self.sender = sender
+        self.clear_marker = clear_marker
+        self.on_progress = on_progress
+        self.computes_result = computes_result
+        self.store = store or options_store(options)
+        self.token = os.urandom(16).hex()  # unique to this execution
+        self.lease: Lease | None = None
+        self._asked = 0.0  # when the last acquire was sent: the lease counts from then, not from the reply
+
+    # -- take --------------------------------------------------------------------------------
+
+    def take(self, *, handoff: str = "", earlier: str = "") -> Acquired | Held:
+        """One round trip: the key, or who holds it. If the key was free but handed to the first
+        parked run, that run's message is sent here (the result is then :class:`Held`)."""
+        opts = self.options
+        asked = mod_time.monotonic()
+        got = self.store.acquire(self.key, self.token, opts.ttl, self.holder, handoff=handoff,
+                                 earlier=earlier, slots=opts.max_concurrency)
+        # the lease counts from the send of the attempt that answered (a lost reply is sent again,
+        # and the second run renews the lease: see scripts.ACQUIRE)
+        self._asked = last_attempt_sent(asked)
+        if isinstance(got, Held) and got.handoff is not None:
+            settle(self.app, Settlement(True, got.handoff),
+                   Ending(self.key, self.sender, self.holder.task_id, "handed-on", signal=False))
+        return got
+
+    def begin(self, got: Acquired) -> Lease:
+        """Start holding: the heartbeat renews the lease from now on."""
+        opts = self.options
+        lease = Lease(
+            key=self.key, token=self.token, fence=got.fence, ttl=opts.ttl, interval=opts.heartbeat_interval,
+            task_id=self.holder.task_id, task_name=self.sender, store=self.store, since=got.since,
+            slot=got.slot, confirmed_at=self._asked,
+        )
+        self.lease = lease
+        if got.superseded_by:
+            lease.mark_superseded(got.superseded_by)
+        try:
+            heartbeat_for(self.store).add(lease)
+        except BaseException:
+            self.end("failed")
+            raise
+        log_acquire.debug("acquired key=%r %s[%s] fence=%s", self.key, self.sender, lease.task_id,
+                          lease.fence)
+        signals.lease_acquired.send(sender=self.sender, lease=lease)
+        return lease
+
+    def forget_attempt(self, outcome: str = "retried") -> None:
+        """Release what an acquire that failed (no reply came) may have taken; best effort: if
+        Redis still cannot be reached, the next attempt adopts it (``take(earlier=token)``)."""
+        try:
+            settlement = self.store.release(self.key, self.token, outcome, self.options.ttl,
+                                            slots=self.options.max_concurrency)
+        except redis.RedisError:
+            return
+        if settlement.duties:
+            ending = Ending(self.key, self.sender, self.holder.task_id, outcome, signal=False)
+            settle(self.app, settlement, ending)
+
+    # -- progress ----------------------------------------------------------------------------
+
+    def progress(self, update: ProgressUpdate) -> bool:
+        """Submit ``update`` (throttled to ``progress_rate`` writes a second; the last one always
+        lands). True if written now. Raises :class:`LeaseLost` once the lease is gone."""
+        lease = self._held()
+        lease.check()
+        reporter = lease.reporter
+        if reporter is None:
+            reporter = lease.reporter = ProgressReporter(
+                self.options.progress_rate, self._write_progress, heartbeat_for(self.store).schedule_flush,
+            )
+        return reporter.submit(update)
+
+    def _write_progress(self, update: ProgressUpdate) -> None:
+        lease = self._held()
+        data = lease.write_progress(update)
+        if self.on_progress is not None:
+            self.on_progress(lease, data)
+
+    def _held(self) -> Lease:
+        lease = self.lease
+        if lease is None or lease.released:
+            raise NotInsideRun(f"{self.sender}: the lease on key {self.key!r} is not held here")
+        return lease
+
+    # -- release -----------------------------------------------------------------------------
+
+    def end(self, outcome: str, *, result: Any = NO_RESULT, error: BaseException | None = None,
+            answer_joined: bool = True) -> Settlement | None:
+        """Release once (later calls do nothing) and settle what the release hands back.
+
+        ``outcome``: succeeded, failed, retried, ignored, rejected, terminated, ...; ``lost`` is
+        recorded instead when the lease was found gone. ``result``/``error`` go to joined runs;
+        ``answer_joined=False`` (a retry) leaves them for the next run. A Redis error is logged
+        (the key then frees when its lease runs out); None is returned then.
+        """
+        lease = self.lease
+        if lease is None:
+            return None
+        heartbeat_for(self.store).discard(lease)
+        if lease.reporter is not None and not lease.lost and not lease.released:
+            with contextlib.suppress(LeaseLost):  # already reported by mark_lost
+                lease.reporter.flush()
+        with lease._guard:
+            if lease.released:
+                return None
+            lease.released = True  # before the round trip: a late renewal must not report a loss
+        if lease.lost:
+            outcome = "lost"
+        opts = self.options
+        try:
+            settlement = self.store.release(
+                self.key, lease.token, outcome, opts.ttl, fence=lease.fence, slot=lease.slot,
+                slots=opts.max_concurrency, answer_joined=answer_joined, clear_marker=self.clear_marker,
+                task_id=lease.task_id,
+            )
+        except redis.RedisError as exc:
+            log_release.warning(
+                "could not release key=%r %s[%s]; it frees when its lease expires in %.1fs: %s",
+                self.key, self.sender, lease.task_id, lease.time_left or opts.ttl, exc,
+            )
+            return None
+        if not settlement:
+            lease.mark_lost("the lease was gone when the run ended", at_release=True)
+            outcome = "lost"
+        settle(self.app, settlement, Ending(self.key, self.sender, lease.task_id, outcome, result=result,
+                                            error=error, lease=lease, rerun_joined=not self.computes_result))
+        return settlement

@@ -1,0 +1,80 @@
+"""A run's own message, re-sent: by the ``retry`` policy, by ``fail_closed``, and parked by
+``queue``/``join`` to be sent (or answered) later.
+
+A re-sent message keeps the task id and ``retries`` (waiting for a key must not spend the task's
+own ``max_retries``) and carries the library's headers:
+
+- :data:`HEADER_FIRST_SEEN`, :data:`HEADER_ATTEMPT`: when the first attempt was seen and how many
+  re-sends followed, to bound the wait (``max_wait``, ``redis_max_wait``);
+- :data:`HEADER_HANDOFF`: the token of a parked run, by which it adopts the slot reserved for it;
+- :data:`HEADER_EARLIER`: the token of an attempt whose acquire got no reply (Redis unreachable);
+  if that attempt did take the key, the re-sent run takes it over instead of waiting for itself;
+- :data:`HEADER_SENT`: when ``apply_async`` sent the run (nanoseconds, the sender's clock), put
+  on by tasks whose policy needs "newest" (``coalesce``); a re-sent message keeps it;
+- :data:`HEADER_SEQ`: the per-key sequence number of an ``ordered=True`` send.
+"""
+
+from __future__ import annotations
+
+import time as mod_time
+from typing import Any, NoReturn
+
+from celery.exceptions import Retry
+from kombu.utils.json import dumps
+
+__all__ = [
+    "HEADER_ATTEMPT",
+    "HEADER_EARLIER",
+    "HEADER_FIRST_SEEN",
+    "HEADER_HANDOFF",
+    "HEADER_SENT",
+    "HEADER_SEQ",
+    "header",
+    "message_of",
+    "resend",
+    "wait_state",
+]
+
+HEADER_FIRST_SEEN = "singleflight_first_seen"
+HEADER_ATTEMPT = "singleflight_attempt"
+HEADER_HANDOFF = "singleflight_handoff"
+HEADER_EARLIER = "singleflight_earlier"
+HEADER_SENT = "singleflight_sent"
+HEADER_SEQ = "singleflight_seq"
+
+
+def header(request: Any, name: str) -> Any:
+    """A message header of the current request (Celery puts some on the request itself)."""
+    return getattr(request, name, None) or (request.headers or {}).get(name)
+
+
+def wait_state(request: Any) -> tuple[float, int]:
+    """(when the first attempt was seen, how many re-sends so far)."""
+    first = header(request, HEADER_FIRST_SEEN)
+    attempt = header(request, HEADER_ATTEMPT) or 0
+    return (float(first) if first else mod_time.time()), int(attempt)
+
+
+def message_of(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **headers: Any) -> str:
+    """The current run's message, re-sendable (same task id, retries unchanged), as JSON."""
+    request = task.request
+    merged = {**(request.headers or {}), **headers}
+    sig = task.signature_from_request(request, args, kwargs, retries=request.retries, headers=merged)
+    message: str = dumps(dict(sig))  # type: ignore[no-untyped-call]
+    return message
+
+
+def resend(
+    task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], delay: float, first_seen: float, attempt: int,
+    error: Exception, **headers: Any,
+) -> NoReturn:
+    """Re-send the current message after ``delay`` without spending the task's ``max_retries``;
+    the run ends as ``RETRY`` (Celery acknowledges the message it came from)."""
+    request = task.request
+    merged = dict(request.headers or {})
+    merged.update({HEADER_FIRST_SEEN: first_seen, HEADER_ATTEMPT: attempt, **headers})
+    sig = task.signature_from_request(
+        request, args, kwargs, countdown=delay, retries=request.retries, headers=merged
+    )
+    sig.apply_async()
+    raise Retry(exc=error, when=delay, sig=sig)

@@ -1,0 +1,195 @@
+"""The worker side, wired in one place: checks at start, the queue sweeper, and the main
+process releasing the keys of pool children that ended without running their own ``finally``.
+
+Nothing here happens on import. A guarded task's binding to its app calls :func:`install`,
+which adds :class:`SingleFlightStep` to the app's worker blueprint (so only a worker of that app
+runs it) and connects two receivers once per process; ``base=SingleFlightTask`` stays enough.
+
+- **Start** (the step's ``__init__``, main process, before the pool forks): record whether the
+  worker sends task events (``-E`` is not in ``app.conf``), check the app as a whole (``join``
+  needs a result backend) and run the start checks against each lease Redis (:mod:`.preflight`).
+  A refusal stops the worker with one sentence.
+- **Running**: the queue sweeper thread (:mod:`.sweeper`); stopped with the worker.
+- **Ends that run no code in the child** (SIGKILL, hard time limit, ``revoke(terminate=True)``):
+  the main process gets ``task_failure`` (``WorkerLostError``, ``TimeLimitExceeded``) or
+  ``task_revoked(terminated=True)`` with the task's arguments, renders the key and releases it,
+  checking the lease is that child's (task id, this host, a process that is gone), then settles
+  what the release hands back like every other release.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import redis
+from billiard.exceptions import WorkerLostError
+from celery import bootsteps
+from celery import signals as celery_signals
+from celery.backends.base import DisabledBackend
+from celery.exceptions import TimeLimitExceeded
+
+from .errors import ConfigurationError, LeaseLost
+from .events import send_task_event, set_worker_sends_task_events
+from .lease import process_alive
+from .preflight import run_at_worker_start
+from .registry import guarded_tasks, is_guarded
+from .settle import Ending, answer_orphaned_joined, settle
+from .sweeper import QueueSweeper, sweeper_stores
+
+__all__ = ["SingleFlightStep", "check_worker_app", "install", "release_for_ended_child"]
+
+log = logging.getLogger("celery_singleflight.release")
+
+_installed: set[int] = set()
+_install_lock = threading.Lock()
+
+
+def install(app: Any) -> None:
+    """Wire the worker side for ``app`` (idempotent; called when a guarded task is bound)."""
+    with _install_lock:
+        if id(app) in _installed:
+            return
+        _installed.add(id(app))
+        app.steps["worker"].add(SingleFlightStep)
+        celery_signals.task_failure.connect(_on_task_failure, weak=False, dispatch_uid="singleflight-failure")
+        celery_signals.task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid="singleflight-revoked")
+
+
+def check_worker_app(app: Any) -> None:
+    """Checks that need the worker's app as a whole; raises ConfigurationError.
+
+    ``join`` needs a result backend. Tasks are shared between apps by default, so this is checked
+    for the app the worker runs, not when a task is bound to any app.
+    """
+    joins = [task.name for task in guarded_tasks(app) if task.options.on_duplicate == "join"]
+    if joins and isinstance(app.backend, DisabledBackend):
+        raise ConfigurationError(
+            f"on_duplicate='join' hands the holder's result to its duplicates, so tasks {', '.join(joins)}"
+            " need a result backend: set result_backend (for example to your Redis)"
+        )
+
+
+class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
+    """The library's worker bootstep (see the module docstring)."""
+
+    label = "singleflight"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.sweeper: QueueSweeper | None = None
+        app = parent.app
+        set_worker_sends_task_events(bool(getattr(parent, "task_events", False)))
+        try:
+            check_worker_app(app)
+            run_at_worker_start(app, parent)  # raises only for a refusal (ConfigurationError)
+        except ConfigurationError as exc:
+            logging.getLogger("celery_singleflight").critical("%s", exc)
+            raise SystemExit(f"celery_singleflight: {exc}") from exc
+
+    def start(self, parent: Any) -> None:
+        stores = sweeper_stores(parent.app)
+        if stores:
+            self.sweeper = QueueSweeper(parent.app, stores).start()
+
+    def stop(self, parent: Any) -> None:
+        if self.sweeper is not None:
+            self.sweeper.stop()
+            self.sweeper = None
+
+    shutdown = stop
+
+
+def release_for_ended_child(
+    task: Any, task_id: str, args: Any, kwargs: Any, reason: str, *, doomed: bool,
+    error: BaseException | None = None,
+) -> bool:
+    """Free the key of ``task_id`` if a pool child of this host held it and ended.
+
+    ``doomed``: the main process is killing that child itself (hard time limit, terminate), so
+    its lease is released without waiting for it to exit (the kill comes after this signal).
+    Otherwise the holder's process must already be gone.
+    """
+    if not is_guarded(task) or not task_id:
+        return False
+    try:
+        key = task.render_key(*(args or ()), **(kwargs or {}))
+        opts, store = task.options, task.store
+        host = socket.gethostname()
+        slot, record = 0, {}
+        for slot in range(opts.max_concurrency):
+            record = store.holder_record(key, slot)
+            if record.get("task_id") == task_id and record.get("host") == host:
+                break
+        else:
+            if reason == "revoked":
+                # the child released on SIGTERM and could only say "terminated"
+                store.revise_outcome(key, task_id, "terminated", "revoked")
+            elif opts.max_concurrency == 1:
+                _answer_orphaned_joined(task, store, key, task_id, error or LeaseLost(
+                    key, f"the run it joined released the key, then ended ({reason}) before answering"))
+            return False
+        pid = int(record.get("pid") or 0)
+        if pid == os.getpid() or (not doomed and process_alive(pid)):
+            return False  # the run itself is alive (threads/solo pool) and releases on its own
+        settlement = store.release(
+            key, record["token"], reason, opts.ttl, fence=int(record["fence"]), slot=slot,
+            slots=opts.max_concurrency, clear_marker=opts.dedup_enqueue, task_id=task_id,
+        )
+    except (redis.RedisError, TypeError, ValueError, KeyError) as exc:
+        log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
+        return False
+    if settlement:
+        log.warning("released key=%r of %s[%s]: its pool process %s ended without releasing (%s)",
+                    key, task.name, task_id, pid, reason)
+    settle(task.app, settlement, Ending(
+        key, task.name, task_id, reason, error=error or LeaseLost(key, f"the run it joined ended: {reason}"),
+        signal=bool(settlement),
+    ))
+    return bool(settlement.ours)
+
+
+def _answer_orphaned_joined(task: Any, store: Any, key: str, task_id: str, error: BaseException) -> int:
+    """The joined runs a pool process took with its release and never answered (it was killed
+    between the two): see :func:`~.settle.answer_orphaned_joined`. Only if the release named in
+    the key's record was this task's."""
+    record = store.record(key)
+    if not record.get("rt") or task_id not in (record.get("task_id"), record.get("prev_task_id")):
+        return 0
+    return answer_orphaned_joined(task.app, task.backend, store, key, record["rt"], task_id, error)
+
+
+def _on_task_failure(
+    sender: Any = None, task_id: str = "", exception: BaseException | None = None,
+    args: Any = None, kwargs: Any = None, **_: Any,
+) -> None:
+    if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+        doomed = isinstance(exception, TimeLimitExceeded)
+        reason = "time-limit" if doomed else "worker-lost"
+        release_for_ended_child(sender, task_id, args, kwargs, reason, doomed=doomed, error=exception)
+
+
+def _on_task_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any
+) -> None:
+    if terminated and request is not None:
+        release_for_ended_child(
+            sender, getattr(request, "id", ""), getattr(request, "args", None),
+            getattr(request, "kwargs", None), "revoked", doomed=True,
+        )
+        if is_guarded(sender):
+            _announce_revoked_state(sender, request, signum)
+
+
+def _announce_revoked_state(task: Any, request: Any, signum: Any) -> None:
+    """Make Flower show REVOKED for a run that reported progress.
+
+    Celery's event state ranks an unknown state such as PROGRESS above REVOKED, so its own
+    ``task-revoked`` event only merges fields into a task that is PROGRESS. Fields of an event
+    are applied as they are, so the same event with an explicit ``state`` sets it.
+    """
+    send_task_event(task.app, "task-revoked", getattr(request, "hostname", None), uuid=request.id,
+                    terminated=True, signum=signum, expired=False, state="REVOKED")

@@ -1,0 +1,65 @@
+"""The time policies work for a tenant's Redis user with the documented ACL rule and its extra
+time-policy commands, and nothing more (docs/isolation.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from celery_singleflight import debounce, ratelimit
+from celery_singleflight.acl import LIBRARY_COMMANDS, TIME_POLICY_COMMANDS
+from celery_singleflight.store import store_for
+from celery_singleflight.testing import RedisServer
+from celery_singleflight.timestatus import read_time_status
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "isolation.md"
+
+
+def test_the_documented_acl_and_its_time_policy_commands_are_enough(redis_server: RedisServer) -> None:
+    text = DOC.read_text()
+    rule = re.search(r"^ACL SETUSER tenant-a (.*)$", text, re.MULTILINE)
+    extra = re.search(r"also need\n?`([^`]*)`", text)
+    assert rule and extra
+    ns, user = f"tp{uuid.uuid4().hex[:6]}", f"u{uuid.uuid4().hex[:6]}"
+    assert extra[1].split() == [f"+{c}" for c in TIME_POLICY_COMMANDS]  # what `celery singleflight acl` adds
+    rules = rule[1].replace("tenant-a", ns).replace(">PASSWORD", ">pw").split() + extra[1].split()
+    admin = redis_server.client()
+    admin.execute_command("ACL", "SETUSER", user, *rules)
+    try:
+        admin.execute_command("ACL", "LOG", "RESET")
+        store = store_for(f"redis://{user}:pw@127.0.0.1:{redis_server.port}/0", ns)
+        rate = ratelimit.parse_rate("t", "1/s", 1)
+        assert rate is not None
+        ratelimit.reserve(store, "k", rate, "a:0")
+        assert ratelimit.reserve(store, "k", rate, "b:0").wait > 0
+        deb = debounce.Debounce(0.05, None, "last", None)
+        debounce.record(store, "k", "a", deb, (1,), {})
+        debounce.record(store, "k", "b", deb, (2,), {})
+        time.sleep(0.1)
+        due = debounce._script(store, debounce.DUE_SCRIPT)
+        keys = [store.layout.debounce("k"), store.layout.debounced("k")]
+        assert due(keys=keys, args=["a", "a", 1000, 60000, "t1"])[0] == b"run"
+        assert due(keys=keys, args=["b", "a", 1000, 60000, "t2"])[0] == b"folded"
+        seen = read_time_status(store, "k")
+        assert seen.rate is not None and seen.rate.planned == 1
+        assert admin.execute_command("ACL", "LOG") == []
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_the_acl_command_adds_the_time_commands_when_a_task_uses_them(redis_server: RedisServer) -> None:
+    """``celery singleflight acl`` for an app with debounced and rate-limited tasks prints the rule
+    with the time-policy commands (the tests' other app, with neither, gets the rule without them)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "timeapp", "singleflight", "acl", "--user", "t1"],
+        cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SF_TEST_REDIS": redis_server.url},
+    )
+    assert out.returncode == 0, out.stderr
+    # (+select: the app's leases are not in database 0)
+    assert " ".join(f"+{c}" for c in (*LIBRARY_COMMANDS, *TIME_POLICY_COMMANDS, "select")) in out.stdout

@@ -1,0 +1,175 @@
+"""Debounce on a real worker: a burst of calls becomes one run with the chosen payload, a
+steady stream still runs every debounce_max_wait, every AsyncResult ends, a lost leader is
+replaced, and the scripts are safe to run twice."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from types import ModuleType
+
+import pytest
+
+from celery_singleflight import ConfigurationError, SingleFlightTask
+from celery_singleflight.debounce import Debounce, is_debounced, record
+from celery_singleflight.store import store_for
+from celery_singleflight.testing import RedisServer
+
+from .conftest import starts
+
+pytestmark = pytest.mark.worker
+
+
+def test_a_burst_of_50_calls_is_one_run_a_second_after_the_last_with_its_payload(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    """Given debounce=1, when 50 calls come over 3 s, then one run starts about 1 s after the
+    last call, with the last call's argument, under the first call's task id; the 49 others end
+    SUCCESS as debounced into it."""
+    queue = debounce_queue
+    results = []
+    for n in range(50):
+        results.append(timeapp.settled.apply_async(("burst", n), queue=queue))
+        time.sleep(3 / 49)
+    last_call = time.time() - 3 / 49
+    assert results[0].get(timeout=15) == 49
+    folded = [r.get(timeout=15) for r in results[1:]]
+    assert all(is_debounced(f) and f["into"] == results[0].id and f["key"] == "deb:burst" for f in folded)
+    runs = starts(timeapp, "burst", "settled")
+    assert len(runs) == 1 and runs[0]["payload"] == 49 and runs[0]["task_id"] == results[0].id
+    assert 0.95 <= runs[0]["at"] - last_call <= 1.5, runs[0]["at"] - last_call
+
+
+def test_a_steady_stream_still_runs_every_max_wait(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    """Given debounce=1 and debounce_max_wait=3, when a call comes every 0.5 s for 10 s (the key
+    is never quiet for 1 s), then no call waits more than 3 s for a run that starts after it,
+    each run has the latest payload of its burst, and every result is ready."""
+    queue = debounce_queue
+    calls: list[tuple[float, object]] = []
+    for n in range(20):
+        calls.append((time.time(), timeapp.streamed.apply_async(("s", n), queue=queue)))
+        time.sleep(0.5)
+    values = [r.get(timeout=15) for _, r in calls]
+    runs = starts(timeapp, "s", "streamed")
+    run_ids = {r["task_id"] for r in runs}
+    assert all(v in range(20) or (is_debounced(v) and v["into"] in run_ids) for v in values)
+    assert 3 <= len(runs) <= 6, runs
+    for at, _ in calls:
+        first_run_after = min(r["at"] for r in runs if r["at"] >= at)
+        assert first_run_after - at <= 3.0 + 0.4, (at, runs)
+    payloads = [r["payload"] for r in runs]
+    assert payloads == sorted(payloads) and payloads[-1] == 19
+
+
+def test_debounce_keep_first_runs_with_the_first_payload(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    queue = debounce_queue
+    results = [timeapp.first_kept.apply_async(("f", n), queue=queue) for n in range(5)]
+    assert results[0].get(timeout=10) == 0
+    assert all(is_debounced(r.get(timeout=10)) for r in results[1:])
+    assert [r["payload"] for r in starts(timeapp, "f", "first_kept")] == [0]
+
+
+def test_calls_by_name_are_debounced_when_they_come(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    """Given send_task (no record at send), when 5 calls come at once, then one run, with the
+    last recorded call's payload; the others end debounced into it."""
+    queue = debounce_queue
+    results = [timeapp.app.send_task("timeapp.settled", ("byname", n), queue=queue) for n in range(5)]
+    values = [r.get(timeout=15) for r in results]
+    runs = starts(timeapp, "byname", "settled")
+    assert len(runs) == 1
+    assert sum(1 for v in values if is_debounced(v)) == 4
+    assert all(v["into"] == runs[0]["task_id"] for v in values if is_debounced(v))
+
+
+def test_a_lost_leader_is_replaced_by_a_call_of_its_burst(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    """Given a burst whose first call's message is lost (sent to a queue no worker reads, as a
+    worker killed with it unacknowledged), then one of the other calls runs it, GRACE after it
+    was due, with the last payload, and the rest end debounced into that run."""
+    queue = debounce_queue
+    lost = timeapp.settled.apply_async(("orphan", 0), queue=f"nobody-{uuid.uuid4().hex[:8]}")
+    rest = [timeapp.settled.apply_async(("orphan", n), queue=queue) for n in range(1, 6)]
+    values = [r.get(timeout=15) for r in rest]
+    runs = starts(timeapp, "orphan", "settled")
+    assert len(runs) == 1 and runs[0]["payload"] == 5
+    ran = [v for v in values if not is_debounced(v)]
+    assert ran == [5]
+    assert all(v["into"] == runs[0]["task_id"] for v in values if is_debounced(v))
+    assert lost.state == "PENDING"
+
+
+def test_a_replayed_record_is_one_call(redis_server: RedisServer) -> None:
+    """Recording the same call twice (a lost reply sent again) folds one call, not two."""
+    store = store_for(f"{redis_server.url}/2", f"db{uuid.uuid4().hex[:8]}")
+    deb = Debounce(1.0, None, "last", None)
+    assert record(store, "k", "a", deb, (1,), {})[0] == "a"
+    assert record(store, "k", "b", deb, (2,), {})[0] == "a"
+    assert record(store, "k", "b", deb, (2,), {})[0] == "a"
+    assert int(store.client.hget(store.layout.debounce("k"), "count")) == 2
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"debounce": 0}, "debounce"), ({"debounce": -1}, "debounce"), ({"debounce": "2"}, "debounce"),
+    ({"debounce": 1, "debounce_max_wait": 0.5}, "debounce_max_wait"),
+    ({"debounce": 1, "debounce_keep": "middle"}, "debounce_keep"),
+    ({"debounce_max_wait": 3}, "debounce_max_wait"),
+    ({"debounce": 1, "dedup_enqueue": True}, "dedup_enqueue"),
+    ({"debounce": 1, "debounce_key": "chat:<chat_id>"}, "chat_id"),
+    ({"debounce": 1, "debounce_maxwait": 3}, "did you mean debounce_max_wait"),
+    ({"key_rate_limt": "10/m"}, "did you mean key_rate_limit"),
+])
+def test_bad_debounce_options_fail_at_definition(options: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigurationError, match=named):
+        type("Bad", (SingleFlightTask,), {"lock_key": "k", "run": lambda self: None, **options})
+
+
+def test_lost_replies_of_the_debounce_scripts_change_nothing(redis_server: RedisServer) -> None:
+    """Given the first reply of the record script and of the due script dropped (each ran; redis-py
+    sends it again), then the call is folded once and the run is decided once: the replay of the
+    close answers 'run' with the same payload to the same task id (and a second delivery of that
+    message, another execution, is told it is one)."""
+    from celery_singleflight import debounce
+
+    from ..chaos.faultproxy import DROP_REPLY, FaultProxy
+
+    with FaultProxy(redis_server.port) as proxy:
+        store = store_for(proxy.url(2), f"dbf{uuid.uuid4().hex[:8]}")
+        deb = Debounce(0.2, None, "last", None)
+        record(store, "k", "a", deb, (1,), {})  # the server knows the script now
+        call_rule = proxy.add_rule(DROP_REPLY, script=debounce.CALL_SCRIPT, first_time_only=True)
+        assert record(store, "k", "b", deb, (2,), {})[0] == "a"
+        assert call_rule.faulted == 1 and call_rule.matched == 2
+        assert int(store.client.hget(store.layout.debounce("k"), "count")) == 2
+        time.sleep(0.25)
+        due = debounce._script(store, debounce.DUE_SCRIPT)
+        keys = [store.layout.debounce("k"), store.layout.debounced("k")]
+        due(keys=keys, args=["zzz", "nobody", 1000, 60000, "t0"])  # loads the script
+        due_rule = proxy.add_rule(DROP_REPLY, script=debounce.DUE_SCRIPT, first_time_only=True)
+        reply = due(keys=keys, args=["a", "a", 1000, 60000, "t1"])
+        assert due_rule.faulted == 1 and due_rule.matched == 2
+        assert reply[0] == b"run" and b"[2]" in reply[1] and reply[2] == 2 and reply[4] == 1
+        assert store.client.hget(store.layout.debounced("k"), "ran") == b"a"
+        assert due(keys=keys, args=["b", "a", 1000, 60000, "t2"])[:2] == [b"folded", b"a"]
+        # the same message delivered a second time (another execution) is told so; the lease decides
+        assert due(keys=keys, args=["a", "a", 1000, 60000, "t3"])[4] == 0
+
+
+def test_a_debounce_key_of_its_own_groups_calls_apart_from_the_lock_key(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    """Given debounce_key="chat:<chat>" and lock_key="acct:<acct>", when three calls of one chat
+    name three accounts, then one run, holding the lock of the last call's account."""
+    queue = debounce_queue
+    results = [timeapp.keyed.apply_async(("c1", f"a{n}", n), queue=queue) for n in range(3)]
+    assert timeapp.keyed.time_status("c1", "a0").debounce.calls == 3
+    assert results[0].get(timeout=15) == 2
+    assert all(is_debounced(r.get(timeout=15)) for r in results[1:])
+    runs = starts(timeapp, "c1", "keyed")
+    assert [r["payload"] for r in runs] == [{"n": 2, "lock": "acct:a2"}]
