@@ -27,7 +27,7 @@ import redis
 from . import signals
 from .connection import last_attempt_sent
 from .errors import LeaseLost, NotInsideRun
-from .heartbeat import heartbeat_for
+from .heartbeat import Heartbeat, heartbeat_for
 from .lease import Lease
 from .progress import ProgressReporter, ProgressUpdate
 from .replies import Acquired, Held, Holder, Settlement
@@ -85,6 +85,7 @@ class Guard:
         self.store = store or options_store(options)
         self.token = os.urandom(16).hex()  # unique to this execution
         self.lease: Lease | None = None
+        self._beat: Heartbeat | None = None  # the renewer the lease was added to (begin)
         self._asked = 0.0  # when the last acquire was sent: the lease counts from then, not from the reply
 
     # -- take --------------------------------------------------------------------------------
@@ -116,7 +117,8 @@ class Guard:
         if got.superseded_by:
             lease.mark_superseded(got.superseded_by)
         try:
-            heartbeat_for(self.store).add(lease)
+            self._beat = heartbeat_for(self.store)
+            self._beat.add(lease)
         except BaseException:
             self.end("failed")
             raise
@@ -147,7 +149,7 @@ class Guard:
         reporter = lease.reporter
         if reporter is None:
             reporter = lease.reporter = ProgressReporter(
-                self.options.progress_rate, self._write_progress, heartbeat_for(self.store).schedule_flush,
+                self.options.progress_rate, self._write_progress, self._renewer().schedule_flush,
             )
         return reporter.submit(update)
 
@@ -156,6 +158,9 @@ class Guard:
         data = lease.write_progress(update)
         if self.on_progress is not None:
             self.on_progress(lease, data)
+
+    def _renewer(self) -> Heartbeat:
+        return self._beat or heartbeat_for(self.store)
 
     def _held(self) -> Lease:
         lease = self.lease
@@ -177,7 +182,7 @@ class Guard:
         lease = self.lease
         if lease is None:
             return None
-        heartbeat_for(self.store).discard(lease)
+        self._renewer().discard(lease)
         if lease.reporter is not None and not lease.lost and not lease.released:
             with contextlib.suppress(LeaseLost):  # already reported by mark_lost
                 lease.reporter.flush()

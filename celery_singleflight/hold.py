@@ -78,6 +78,21 @@ def default_holder() -> str:
 _default_holder: dict[int, str] = {}
 
 
+def _holder(holder_id: str) -> Holder:
+    """The :class:`Holder` of a hold, made (and its JSON fields encoded) once per holder id and
+    process: a script that takes one key a thousand times names the same holder each time."""
+    key = (holder_id, os.getpid())
+    found = _holders.get(key)
+    if found is None:
+        if len(_holders) >= 256:  # ids made per call stay bounded
+            _holders.clear()
+        found = _holders[key] = Holder(holder_id, "", SENDER)
+    return found
+
+
+_holders: dict[tuple[str, int], Holder] = {}
+
+
 def _check_number(name: str, value: Any, *, allow_zero: bool, unit: str = "seconds") -> None:
     """Reject a bad argument at the call, naming the argument the caller wrote."""
     if value is None:
@@ -177,7 +192,7 @@ class Hold:
     def __enter__(self) -> HoldLease:
         if self._guard is not None:
             raise RuntimeError(f"hold on key {self.key!r} is already entered; use a new hold()")
-        guard = Guard(self.app, self.key, self.options, Holder(self.holder, "", SENDER), sender=SENDER,
+        guard = Guard(self.app, self.key, self.options, _holder(self.holder), sender=SENDER,
                       computes_result=False)
         got = self._acquire(guard)
         guard.begin(got)
