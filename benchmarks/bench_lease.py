@@ -68,7 +68,7 @@ COUNTED_PAIRS = 1_000  # pairs whose round trips and commands are counted
 RENEWED_LEASES = 1_000
 MEMORY_LEASES = 10_000
 BATCH = 100  # pairs between two looks at the clock
-SLICE = 0.5  # seconds per turn when throughput measurements alternate
+SLICE = 0.25  # seconds per turn when throughput measurements alternate
 
 MIN_RATIO_TO_LOCK = 1.0  # the library's own lease path, pairs/s against redis-py's Lock in the same run
 MIN_HOLD_RATIO_TO_LOCK = 0.9  # the public ``with hold(app, key)`` pair
@@ -322,8 +322,11 @@ def timed_pairs(pair: Callable[[], None], seconds: float) -> tuple[int, float]:
             return done, now - start
 
 
-def pairs_per_second(pairs: Sequence[Callable[[], None]], seconds: float) -> list[float]:
-    """Rate of each of ``pairs`` over ``seconds`` each, run in alternating slices.
+def pairs_per_second(
+    pairs: Sequence[Callable[[], None]], seconds: float,
+) -> tuple[list[float], list[list[float]]]:
+    """Rate of each of ``pairs`` over ``seconds`` each, run in alternating slices; and each
+    one's rate in every slice (for paired ratios).
 
     Interleaving (A B C, C B A, A B C, ...) makes drift of a shared or throttled CPU hit
     every contender alike instead of whichever happened to run last.
@@ -331,13 +334,22 @@ def pairs_per_second(pairs: Sequence[Callable[[], None]], seconds: float) -> lis
     slices = max(2, round(seconds / SLICE))
     done = [0] * len(pairs)
     spent = [0.0] * len(pairs)
+    per_slice: list[list[float]] = [[] for _ in pairs]
     for i in range(slices):
         order = range(len(pairs)) if i % 2 == 0 else reversed(range(len(pairs)))
         for j in order:
             count, elapsed = timed_pairs(pairs[j], seconds / slices)
             done[j] += count
             spent[j] += elapsed
-    return [count / elapsed for count, elapsed in zip(done, spent, strict=True)]
+            per_slice[j].append(count / elapsed)
+    return [count / elapsed for count, elapsed in zip(done, spent, strict=True)], per_slice
+
+
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> tuple[float, float, float]:
+    """Median, lowest and highest of the per-slice ratios ``ours / theirs``: each ratio compares
+    two slices run back to back, so a load change between slices moves both sides alike."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def seconds_per_renewal(contender: Contender, seconds: float) -> float:
@@ -396,9 +408,12 @@ def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
 
 
 def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
-          instructions: dict[str, int] | None) -> str:
-    ratio = ours.pairs_per_second / theirs.pairs_per_second
-    hold_ratio = hold_rate / theirs.pairs_per_second
+          instructions: dict[str, int] | None, ratios: tuple[float, float, float],
+          hold_ratios: tuple[float, float, float]) -> str:
+    ratio, hold_ratio = ratios[0], hold_ratios[0]
+
+    def spread(found: tuple[float, float, float]) -> str:
+        return f" (slices {found[1]:.2f} to {found[2]:.2f})"
 
     def per_pair(rate: float) -> str:
         return f"{rate:,.0f} ({1e6 / rate:.1f} µs/pair)"
@@ -409,14 +424,15 @@ def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
             per_pair(ours.pairs_per_second),
             per_pair(theirs.pairs_per_second),
             f"≥ {MIN_RATIO_TO_LOCK:.1f} x Lock",
-            f"{ratio:.2f} x {_verdict(ratio, lambda v: v >= MIN_RATIO_TO_LOCK)}",
+            f"{ratio:.2f} x {_verdict(ratio, lambda v: v >= MIN_RATIO_TO_LOCK)}{spread(ratios)}",
         ),
         (
             "same, public `with hold(app, key): pass`",
             per_pair(hold_rate),
             per_pair(theirs.pairs_per_second),
             f"≥ {MIN_HOLD_RATIO_TO_LOCK:.1f} x Lock",
-            f"{hold_ratio:.2f} x {_verdict(hold_ratio, lambda v: v >= MIN_HOLD_RATIO_TO_LOCK)}",
+            f"{hold_ratio:.2f} x {_verdict(hold_ratio, lambda v: v >= MIN_HOLD_RATIO_TO_LOCK)}"
+            f"{spread(hold_ratios)}",
         ),
     ]
     if instructions:
@@ -606,17 +622,20 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
             ping()
             ping()
 
-        ours_rate, hold_rate, theirs_rate, ceiling = pairs_per_second(
-            [ours.pair, public.pair, theirs.pair, two_pings], seconds
-        )
+        rates, per_slice = pairs_per_second([ours.pair, public.pair, theirs.pair, two_pings], seconds)
+        ours_rate, hold_rate, theirs_rate, ceiling = rates
+        ratios = paired_ratio(per_slice[0], per_slice[2])
+        hold_ratios = paired_ratio(per_slice[1], per_slice[2])
         ours_results = measure(ours, server, seconds, ours_rate)
         theirs_results = measure(theirs, server, seconds, theirs_rate)
         instructions = instructions_per_pair(url) if callgrind else {}
-        report = table(ours_results, theirs_results, hold_rate, seconds, instructions)
+        report = table(ours_results, theirs_results, hold_rate, seconds, instructions, ratios, hold_ratios)
         breakdown = server_breakdown(server, namespace)
         notes = (
             "Verdicts are for celery_singleflight; redis-py Lock is the baseline, measured in the same "
-            "run in alternating slices. Its renewal pass "
+            f"run in {max(2, round(seconds / SLICE))} alternating slices; a ratio is the median of the "
+            "per-slice paired ratios (each slice of ours against the Lock slice run next to it), with "
+            "the lowest and highest slice in brackets. Its renewal pass "
             f"is {RENEWED_LEASES:,} reacquire() calls: it has no batch renewal. Ceiling for any "
             f"2-round-trip pair with this client: two PINGs = {ceiling:,.0f}/s ({1e6 / ceiling:.1f} µs), "
             "measured interleaved with the pairs above."
@@ -659,7 +678,7 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each timed measurement")
+    parser.add_argument("--seconds", type=float, default=6.0, help="duration of each timed measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
     parser.add_argument("--callgrind", action="store_true",
                         help="also count client instructions per pair under valgrind (about a minute)")
