@@ -220,9 +220,9 @@ ACQUIRE = _COMMON + _HAND_OFF + """
 --           6 the token of an earlier attempt of this run whose reply never came ('' if none)
 --           7 holder task id
 -- ARGV[2] - the holder's fields, JSON object members without braces
--- return {1, fence, since ms, slot, superseded by} if acquired (slot counts from 0; the task id
---        of a run that superseded this one on its way, else ''), also when this is a second run of
---        the same call;
+-- return 'fence:since ms:slot:superseded by' if acquired (one string: the cheapest reply to read;
+--        slot counts from 0; the task id of a run that superseded this one on its way, else ''),
+--        also when this is a second run of the same call;
 --        {0, holder task id, lease ms left} if every slot is held (the holder whose lease ends first);
 --        {2, holder task id, lease ms left, message} if a slot was free but handed to the first
 --        parked run (the caller sends its message)
@@ -245,7 +245,7 @@ for i = 1, n do
       r.deadline = num(now + ttl)
       redis.call('SET', KEYS[i], cjson.encode(r), 'PX', ttl + keep)
     end
-    return {1, r.fence, r.since, i - 1, r.sup_by or ''}
+    return r.fence .. ':' .. r.since .. ':' .. (i - 1) .. ':' .. (r.sup_by or '')
   end
   if r and r.reserved and r.by == token then
     local msg = redis.call('HGET', parked, r.task_id) or ''
@@ -336,7 +336,7 @@ local since = num(now)
 redis.call('SET', KEYS[slot], '{' .. ARGV[2] .. ',"token":"' .. token .. '","fence":"' .. fence ..
   '","since":"' .. since .. '","deadline":"' .. num(now + ttl) .. '","state":"running"' .. extra .. '}',
   'PX', ttl + keep)
-return {1, fence, since, slot - 1, adopting and prev and prev.sup_by or ''}
+return fence .. ':' .. since .. ':' .. (slot - 1) .. ':' .. (adopting and prev and prev.sup_by or '')
 """
 
 # Shared by RELEASE and FORCE_RELEASE.
@@ -414,8 +414,8 @@ RELEASE = _COMMON + _HAND_OFF + _ENDING + """
 --           (milliseconds), the history length cap
 -- return {0} if the lease was not this run's (it ran out and another run took the key), else
 --        {1, message of the parked run now handed the key or '', joined run messages...}: the
---        caller sends the message and answers the joined runs. A second run of the same call
---        answers the same.
+--        caller sends the message and answers the joined runs; a bare 1 when there is neither.
+--        A second run of the same call answers as the first (a bare 1 may then come as {1, ''}).
 local call, store = unpack_call(ARGV[1], 9), unpack_call(ARGV[2], 2)
 local token, outcome, fence, slot, n = call[1], call[2], call[3], tonumber(call[4]), tonumber(call[5])
 local reservation_ttl, answer, clear, id = tonumber(call[6]), call[7] == '1', call[8] == '1', call[9]
@@ -500,6 +500,9 @@ if r.waiting then
   end
 end
 redis.call('SET', KEYS[slot], cjson.encode(r), 'PX', keep)
+if #out == 2 then
+  return 1 -- nothing handed on, nobody joined: the cheapest reply to read
+end
 return out
 """
 

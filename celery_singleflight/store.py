@@ -48,6 +48,9 @@ def _settlement(reply: Sequence[Any], first: int = 1) -> Settlement:
     return Settlement(True, handoff, tuple(_str(m) for m in reply[first + 1 :]))
 
 
+#: a release that hands nothing on (the script answers a bare 1: the cheapest reply to read)
+_RELEASED = Settlement(True)
+
 #: errors of a call on a Cluster node's own connection that send it again through the cluster client
 _THROUGH_THE_CLUSTER: tuple[type[Exception], ...] = (
     redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
@@ -270,10 +273,11 @@ class LeaseStore:
                 f"\x1f{holder.task_id}")
         reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued],
                               args=[call, holder.fields])
+        if not isinstance(reply, list):  # acquired: one string, 'fence:since:slot:superseded by'
+            fence, since, slot, superseded_by = _str(reply).split(":", 3)
+            return Acquired(fence=int(fence), since=int(since) / 1000.0, slot=int(slot),
+                            superseded_by=superseded_by)
         code = int(reply[0])
-        if code == 1:
-            return Acquired(fence=int(reply[1]), since=int(reply[2]) / 1000.0, slot=int(reply[3]),
-                            superseded_by=_str(reply[4]) if len(reply) > 4 else "")
         message = (_str(reply[3]) or None) if code == 2 else None
         return Held(holder=_str(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message)
 
@@ -323,6 +327,8 @@ class LeaseStore:
                   names.settled],
             args=[call, self._constants],
         )
+        if reply == 1:
+            return _RELEASED
         if int(reply[0]) != 1:
             return Settlement(False)
         return _settlement(reply)

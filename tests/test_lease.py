@@ -45,6 +45,25 @@ def test_acquire_then_duplicate_learns_holder_and_time_left(store: LeaseStore) -
     assert 9 < second.ttl_left <= 10
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decode_responses"])
+def test_short_replies_and_their_replays_read_alike(redis_server: RedisServer, decode: bool) -> None:
+    """An uncontended acquire answers one string and a release that hands nothing on a bare 1 (the
+    cheapest replies to read); a second run of the same call (a lost reply re-sent) answers the
+    same things, also through a client that decodes replies (``singleflight_redis_client``)."""
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port, db=2, decode_responses=decode)
+    store = LeaseStore(client, KeyLayout(f"short-{decode}"))
+    token = _token()
+    first = store.acquire("k", token, 10, Holder("task-a"))
+    again = store.acquire("k", token, 10, Holder("task-a"))
+    assert isinstance(first, Acquired) and isinstance(again, Acquired)
+    assert (again.fence, again.since, again.slot, again.superseded_by) == (first.fence, first.since, 0, "")
+    released = store.release("k", token, fence=first.fence)
+    assert released.ours and released.handoff is None and released.joined == () and not released.duties
+    assert store.release("k", token, fence=first.fence) == released
+    other = store.acquire("k", _token(), 10, Holder("task-b"))
+    assert isinstance(other, Acquired) and other.fence > first.fence
+
+
 def test_only_the_owner_token_can_release_or_renew(store: LeaseStore) -> None:
     """Nobody but the holder can release the lease: not even the same task id with another token."""
     token = _token()
