@@ -78,13 +78,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
-import importlib.metadata
 import os
 import platform
 import random
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -100,6 +97,7 @@ from benchutil import (
     bar_chart,
     delete_matching,
     distinct_lines,
+    import_app,
     machine,
     redis_for,
     version_of,
@@ -544,12 +542,8 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         "SF_CT_RECORDER": recorder_url,
         "SF_CT_SLEEP": repr(args.sleep),
         "SF_CT_SHARED": "0" if private else "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
     }
-    os.environ.update(env)  # contendedapp reads its configuration when imported, here and in the workers
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    ca = importlib.import_module("contendedapp")
+    ca, env = import_app("contendedapp", env)
     broker = redis.Redis.from_url(broker_url)
     locks = redis.Redis.from_url(locks_url)
     server_version = broker.info("server")["redis_version"]

@@ -23,7 +23,6 @@ unique prefix are touched). A report, not a test: the exit status is 0 whatever 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import random
 import statistics
@@ -41,7 +40,7 @@ from celery_singleflight.testing import WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchutil import delete_matching, machine, redis_for, write_section  # noqa: E402
+from benchutil import delete_matching, import_app, machine, redis_for, write_section  # noqa: E402
 
 TTL = 3.0
 CONCURRENCY = 2
@@ -104,10 +103,8 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     prefix = f"sfbench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     broker, leases, recorder = (f"{url}/0", f"{url}/2", f"{url}/3") if private else (url, url, url)
     env = {"SF_BENCH_PREFIX": prefix, "SF_BENCH_BROKER": broker, "SF_BENCH_LEASES": leases,
-           "SF_BENCH_RECORDER": recorder, "SF_BENCH_QUEUE": f"{prefix}-queue", "SF_BENCH_TTL": repr(TTL),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
-    os.environ.update(env)
-    pa = importlib.import_module("policiesapp")
+           "SF_BENCH_RECORDER": recorder, "SF_BENCH_QUEUE": f"{prefix}-queue", "SF_BENCH_TTL": repr(TTL)}
+    pa, env = import_app("policiesapp", env)
     print(f"redis at {maybe_sanitize_url(url)} ({'private' if private else 'given'}); prefix {prefix!r}")
     worker = WorkerProcess("policiesapp", concurrency=CONCURRENCY, env=env, cwd=str(HERE),
                            extra=["-Q", pa.QUEUE])

@@ -57,12 +57,10 @@ The result is a report, not a test: the exit status is 0 whatever the verdicts.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -74,7 +72,7 @@ from typing import Any
 import celery
 import kombu
 import redis
-from benchutil import delete_matching, machine, redis_for, write_section
+from benchutil import delete_matching, import_app, machine, redis_for, write_section
 from kombu.utils.url import maybe_sanitize_url
 
 from celery_singleflight.testing import WorkerProcess
@@ -285,12 +283,8 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         "SF_BENCH_BROKER_PREFIX": "0" if private else "1",
         "SF_BENCH_TRACE": "1" if args.trace else "0",
         "SF_BENCH_TRANSPORT_OPTIONS": args.transport_options or "",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
     }
-    os.environ.update(env)  # queueapp reads its configuration when imported, here and in the worker
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    qa = importlib.import_module("queueapp")
+    qa, env = import_app("queueapp", env)
     admin = redis.Redis.from_url(url)
     server_version = admin.info("server")["redis_version"]
     worker = WorkerProcess("queueapp", concurrency=CONCURRENCY, env=env, cwd=str(HERE),

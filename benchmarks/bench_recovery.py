@@ -51,12 +51,9 @@ written to the "recovery" section of docs/benchmarks.md and docs/img/bench-recov
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import json
 import os
 import platform
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -72,6 +69,7 @@ from benchutil import (
     bar_chart,
     delete_matching,
     distinct_lines,
+    import_app,
     machine,
     redis_for,
     version_of,
@@ -351,12 +349,8 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         "SF_RC_LOCKS": locks_url,
         "SF_RC_RECORDER": recorder_url,
         "SF_RC_SHARED": "0" if private else "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
     }
-    os.environ.update(env)  # recoveryapp reads its configuration when imported, here and in the workers
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    ra = importlib.import_module("recoveryapp")
+    ra, env = import_app("recoveryapp", env)
     locks = redis.Redis.from_url(locks_url)
     server_version = locks.info("server")["redis_version"]
     setup = (f"Redis {server_version}, Celery {celery.__version__}, celery-once {version_of('celery-once')}, "

@@ -60,12 +60,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.metadata
 import os
 import platform
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -81,6 +78,7 @@ import redis
 from benchutil import (
     bar_chart,
     delete_matching,
+    import_app,
     machine,
     redis_for,
     version_of,
@@ -415,12 +413,8 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         "SF_TP_RECORDER": recorder_url,
         "SF_TP_BROKER_PREFIX": "0" if private else "1",
         "SF_TP_TASK_LOGS": "1" if args.task_logs else "0",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
     }
-    os.environ.update(env)  # throughputapp reads its configuration when imported, here and in the workers
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    ta = importlib.import_module("throughputapp")
+    ta, env = import_app("throughputapp", env)
     broker = redis.Redis.from_url(broker_url)
     locks = redis.Redis.from_url(locks_url)
     server_version = broker.info("server")["redis_version"]

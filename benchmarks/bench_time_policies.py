@@ -34,7 +34,6 @@ The result is a report, not a test: the exit status is 0 whatever the verdicts.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -47,7 +46,7 @@ from types import ModuleType
 from typing import Any
 
 import redis.connection
-from benchutil import machine, redis_for, write_section
+from benchutil import import_app, machine, redis_for, write_section
 
 from celery_singleflight.testing import WorkerProcess
 
@@ -82,12 +81,8 @@ class RoundTrips:
 
 
 def load_app(url: str) -> ModuleType:
-    os.environ["SF_BENCH_REDIS"] = url
-    os.environ["SF_BENCH_RATE"] = RATE
-    os.environ["SF_BENCH_BURST"] = str(BURST)
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    return importlib.import_module("timepolicyapp")
+    return import_app("timepolicyapp", {"SF_BENCH_REDIS": url, "SF_BENCH_RATE": RATE,
+                                        "SF_BENCH_BURST": str(BURST)})[0]
 
 
 # -- 1. the send ----------------------------------------------------------------------------------

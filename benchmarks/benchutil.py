@@ -1,5 +1,6 @@
-"""What the benchmarks share: the Redis they run against, and where their figures go
-(their own section of docs/benchmarks.md, and a PNG plot beside it)."""
+"""What the benchmarks share: the Redis they run against, how their Celery app modules are
+loaded, and where their figures go (their own section of docs/benchmarks.md, and a PNG plot
+beside it)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,29 @@ import importlib.metadata
 import os
 import platform
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import redis
 
 from celery_singleflight.testing import RedisServer
+
+HERE = Path(__file__).resolve().parent
+
+
+def import_app(module: str, settings: dict[str, str]) -> tuple[ModuleType, dict[str, str]]:
+    """Import a benchmark's Celery app module (``throughputapp``, ...), which reads its
+    configuration from the environment when imported: here, and in the workers started later
+    with the environment returned (``settings`` plus a PYTHONPATH under which they find it)."""
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    env = {**settings, "PYTHONPATH": path}
+    os.environ.update(env)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    return importlib.import_module(module), env
 
 
 @contextmanager
