@@ -27,6 +27,8 @@ Times are milliseconds here and only here; the Python API speaks seconds.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ACQUIRE",
     "ALL_SCRIPTS",
@@ -57,27 +59,56 @@ SETTLE_KEEP_MS = 120_000
 #: how many fences of runs whose lease ran out a record remembers
 _LOST_KEPT = 8
 
+def _helpers(library: str) -> list[tuple[str, str]]:
+    """A helper library split into its definitions, ``(name, text)`` in order: each ``local
+    function name`` or ``local NAME =`` at the start of a line, with the comment lines above it."""
+    found: list[tuple[str, str]] = []
+    comments: list[str] = []
+    for line in library.strip("\n").split("\n"):
+        named = re.match(r"local (?:function )?(\w+)", line)
+        if named:
+            found.append((named.group(1), "".join(c + "\n" for c in comments) + line + "\n"))
+            comments = []
+        elif line.startswith("--"):  # a comment at the margin introduces the next definition
+            comments.append(line)
+        else:
+            name, text = found[-1]
+            found[-1] = (name, text + line + "\n")
+    return found
+
+
+def _script(*parts: str) -> str:
+    """A script: its body (the last part) after the helpers of the libraries (the other parts)
+    that it uses, directly or through another helper, in their order. Lua makes a closure of
+    every ``local function`` each time a script runs, so a script carries only the helpers it
+    calls."""
+    *libraries, body = parts
+    helpers = [helper for library in libraries for helper in _helpers(library)]
+    used: set[str] = set()
+    seen = body
+    for name, text in reversed(helpers):  # a helper only calls helpers defined before it
+        if re.search(rf"\b{name}\b", seen):
+            used.add(name)
+            seen += text
+    return "".join(text for name, text in helpers if name in used) + body
+
+
 # Shared by every script: the clock, records and their tests.
 _COMMON = """
 local OWN_COPY = '""" + OWN_COPY + """'
 local function clock()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + (us - us % 1000) / 1000, s * 1000000 + us
 end
 local function num(n)
-  return string.format('%.0f', n)
+  return string.format('%d', n)
 end
 -- the ``n`` fields of a call's packed argument (separated by \\31, the unit separator; the last
--- field takes the rest, so it may hold anything): one argument instead of many is cheaper to send
+-- field takes the rest, so it may hold anything): one argument instead of many is cheaper to send,
+-- and one pattern match is the cheapest way to read it
 local function unpack_call(s, n)
-  local out, pos = {}, 1
-  for i = 1, n - 1 do
-    local sep = string.find(s, '\\31', pos, true)
-    out[i] = string.sub(s, pos, sep - 1)
-    pos = sep + 1
-  end
-  out[n] = string.sub(s, pos)
-  return out
+  return {string.match(s, '^' .. string.rep('([^\\31]*)\\31', n - 1) .. '(.*)$')}
 end
 local function decode(raw)
   if raw then
@@ -206,8 +237,8 @@ local function hand_off(slot, n, recs, queue, parked, now, ttl, keep, by, mine, 
 end
 """
 
-ACQUIRE = _COMMON + _HAND_OFF + """
--- KEYS[1..n] - the key's run records, one per slot (n = max_concurrency, usually 1)
+ACQUIRE = _script(_COMMON, _HAND_OFF, """
+-- KEYS[1..n] - the key's run records, one per slot (n = max_concurrency, usually 1; #KEYS - 3)
 -- KEYS[n+1]  - queue of parked runs (list of 'task id|handoff token')
 -- KEYS[n+2]  - parked messages (hash: task id -> message)
 -- KEYS[n+3]  - enqueue-time dedup marker (a dead holder's is removed)
@@ -215,7 +246,7 @@ ACQUIRE = _COMMON + _HAND_OFF + """
 --           1 token unique to this execution
 --           2 lease TTL, milliseconds
 --           3 how long the record outlives its lease, milliseconds
---           4 n, the number of slots
+--           4 the two added: the record's expiry (PX), sent ready (one conversion less here)
 --           5 handoff token this run was sent with ('' if it was never parked)
 --           6 the token of an earlier attempt of this run whose reply never came ('' if none)
 --           7 holder task id
@@ -227,7 +258,8 @@ ACQUIRE = _COMMON + _HAND_OFF + """
 --        {2, holder task id, lease ms left, message} if a slot was free but handed to the first
 --        parked run (the caller sends its message)
 local call = unpack_call(ARGV[1], 7)
-local token, ttl, keep, n = call[1], tonumber(call[2]), tonumber(call[3]), tonumber(call[4])
+-- ``keep`` stays a string: only a hand-off does sums with it (Lua converts it there)
+local token, ttl, keep, px, n = call[1], tonumber(call[2]), call[3], call[4], #KEYS - 3
 local handoff, earlier, id = call[5], call[6], call[7]
 local queue, parked, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
 local recs = {}
@@ -243,7 +275,7 @@ for i = 1, n do
   if r and r.token == token then
     if tonumber(r.deadline) < now + ttl then
       r.deadline = num(now + ttl)
-      redis.call('SET', KEYS[i], cjson.encode(r), 'PX', ttl + keep)
+      redis.call('SET', KEYS[i], cjson.encode(r), 'PX', px)
     end
     return r.fence .. ':' .. r.since .. ':' .. (i - 1) .. ':' .. (r.sup_by or '')
   end
@@ -335,9 +367,9 @@ end
 local since = num(now)
 redis.call('SET', KEYS[slot], '{' .. ARGV[2] .. ',"token":"' .. token .. '","fence":"' .. fence ..
   '","since":"' .. since .. '","deadline":"' .. num(now + ttl) .. '","state":"running"' .. extra .. '}',
-  'PX', ttl + keep)
-return fence .. ':' .. since .. ':' .. (slot - 1) .. ':' .. (adopting and prev and prev.sup_by or '')
-"""
+  'PX', px)
+return string.format('%s:%s:%d:%s', fence, since, slot - 1, adopting and prev and prev.sup_by or '')
+""")
 
 # Shared by RELEASE and FORCE_RELEASE.
 _ENDING = """
@@ -392,8 +424,8 @@ local function settled_for(settled, by)
 end
 """
 
-RELEASE = _COMMON + _HAND_OFF + _ENDING + """
--- KEYS[1..n] - the key's run records (n = its number of slots; this run's is KEYS[slot])
+RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, """
+-- KEYS[1..n] - the key's run records (n = its number of slots, #KEYS - 6; this run's is KEYS[slot])
 -- KEYS[n+1] - this run's history stream
 -- KEYS[n+2] - queue of parked runs
 -- KEYS[n+3] - parked messages
@@ -405,21 +437,21 @@ RELEASE = _COMMON + _HAND_OFF + _ENDING + """
 --           2 outcome of the run (succeeded, failed, retried, revoked, ...)
 --           3 the run's fence ('' for an attempt that may not have taken the key)
 --           4 slot, this run's slot (1-based)
---           5 n, the number of slots
---           6 lease TTL for a handoff reservation, milliseconds
---           7 '1' to hand the joined runs to the caller (who gives them this run's result)
---           8 '1' if the run's task dedups at enqueue (its marker is cleared)
---           9 the run's task id (to drop the copy a redelivery parked, when the lease is gone)
--- ARGV[2] - the store's constants, separated by \\31: how long the record outlives the run
---           (milliseconds), the history length cap
+--           5 lease TTL for a handoff reservation, milliseconds
+--           6 '1' to hand the joined runs to the caller (who gives them this run's result)
+--           7 '1' if the run's task dedups at enqueue (its marker is cleared)
+--           8 the run's task id (to drop the copy a redelivery parked, when the lease is gone)
+-- ARGV[2] - how long the record outlives the run, milliseconds (the store's constant)
+-- ARGV[3] - the history length cap (the store's constant)
 -- return {0} if the lease was not this run's (it ran out and another run took the key), else
 --        {1, message of the parked run now handed the key or '', joined run messages...}: the
 --        caller sends the message and answers the joined runs; a bare 1 when there is neither.
 --        A second run of the same call answers as the first (a bare 1 may then come as {1, ''}).
-local call, store = unpack_call(ARGV[1], 9), unpack_call(ARGV[2], 2)
-local token, outcome, fence, slot, n = call[1], call[2], call[3], tonumber(call[4]), tonumber(call[5])
-local reservation_ttl, answer, clear, id = tonumber(call[6]), call[7] == '1', call[8] == '1', call[9]
-local keep, cap = tonumber(store[1]), store[2]
+local call = unpack_call(ARGV[1], 8)
+local token, outcome, fence, slot, n = call[1], call[2], call[3], tonumber(call[4]), #KEYS - 6
+-- numbers only a hand-off does sums with stay strings (Lua converts them there)
+local reservation_ttl, answer, clear, id = call[5], call[6] == '1', call[7] == '1', call[8]
+local keep, cap = ARGV[2], ARGV[3]
 local history, queue, parked, joined, marker, settled =
   KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4], KEYS[n + 5], KEYS[n + 6]
 local r = decode(redis.call('GET', KEYS[slot]))
@@ -472,7 +504,8 @@ if r.sup_by and outcome ~= 'succeeded' then
   outcome = 'superseded' -- stopped, revoked or failed after a newer run took over (``sup_by``)
 end
 r.token, r.deadline, r.rt = nil, nil, token
-r.state, r.outcome, r.ended, r.updated = outcome, outcome, num(now), num(now)
+local ended = num(now)
+r.state, r.outcome, r.ended, r.updated = outcome, outcome, ended, ended
 history_end(r, history, cap, keep, now)
 local out = {1, ''}
 if answer and r.joined then
@@ -504,9 +537,9 @@ if #out == 2 then
   return 1 -- nothing handed on, nobody joined: the cheapest reply to read
 end
 return out
-"""
+""")
 
-RENEW_MANY = _COMMON + """
+RENEW_MANY = _script(_COMMON, """
 -- KEYS[2i-1] - run record of lease i
 -- KEYS[2i]   - its history stream
 -- ARGV[2i-1] - token of lease i
@@ -533,9 +566,9 @@ for i = 1, #KEYS / 2 do
   end
 end
 return out
-"""
+""")
 
-PROGRESS = _COMMON + """
+PROGRESS = _script(_COMMON, """
 -- KEYS[1] - run record
 -- KEYS[2] - history stream
 -- ARGV[1] - token of the run
@@ -574,9 +607,9 @@ if r.sup_by then
   return 'sup|' .. r.sup_by
 end
 return r.entry
-"""
+""")
 
-PARK = _COMMON + """
+PARK = _script(_COMMON, """
 -- KEYS[1..n] - the key's run records
 -- KEYS[n+1] - queue of parked runs
 -- KEYS[n+2] - parked messages
@@ -623,9 +656,9 @@ for i = 1, n do
   end
 end
 return {position, left}
-"""
+""")
 
-JOIN = _COMMON + """
+JOIN = _script(_COMMON, """
 -- KEYS[1] - run record of the key
 -- KEYS[2] - runs joined to the holder's run
 -- ARGV[1] - the joining run's message (it gets the holder's result); added once, however often
@@ -643,9 +676,9 @@ if not r.joined then
   redis.call('SET', KEYS[1], cjson.encode(r), 'KEEPTTL')
 end
 return {redis.call('LLEN', KEYS[2]), r.task_id or ''}
-"""
+""")
 
-RESUME = _COMMON + _HAND_OFF + _ENDING + """
+RESUME = _script(_COMMON, _HAND_OFF, _ENDING, """
 -- KEYS[1..n] - the key's run records
 -- KEYS[n+1] - queue of parked runs
 -- KEYS[n+2] - parked messages
@@ -715,9 +748,9 @@ if out[3] == '' and #out == 3 then
   return {1, ttl}
 end
 return out
-"""
+""")
 
-FORCE_RELEASE = _COMMON + _HAND_OFF + _ENDING + """
+FORCE_RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, """
 -- KEYS[1..n] - the key's run records
 -- KEYS[n+1] - the history stream of the released slot
 -- KEYS[n+2] - queue of parked runs
@@ -776,9 +809,9 @@ if hand_on and r.waiting then
   out[3] = hand_off(slot, n, recs, queue, parked, now, tonumber(ARGV[7]), keep, by) or ''
 end
 return out
-"""
+""")
 
-REVISE_OUTCOME = _COMMON + """
+REVISE_OUTCOME = _script(_COMMON, """
 -- KEYS[1] - run record of the key
 -- ARGV[1] - task id of the run
 -- ARGV[2] - the outcome recorded by the run itself (e.g. terminated)
@@ -803,9 +836,9 @@ end
 r.state, r.outcome = ARGV[3], ARGV[3]
 redis.call('SET', KEYS[1], cjson.encode(r), 'KEEPTTL')
 return 1
-"""
+""")
 
-NOTE_DUPLICATE = _COMMON + """
+NOTE_DUPLICATE = _script(_COMMON, """
 -- KEYS[1] - run record of the key
 -- KEYS[2] - history stream of the key
 -- ARGV[1] - the duplicate's task id
@@ -828,9 +861,9 @@ if r.history then
     'state', ARGV[2], 'task_id', ARGV[1], 'ts', num(now))
 end
 return 1
-"""
+""")
 
-ENQUEUE_MARK = _COMMON + """
+ENQUEUE_MARK = _script(_COMMON, """
 -- KEYS[1] - enqueue-time dedup marker of the key
 -- KEYS[2..n+1] - the key's run records
 -- ARGV[1] - the task id about to be sent
@@ -857,7 +890,7 @@ if existing and existing ~= ARGV[1] then
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false
-"""
+""")
 
 CLEAR_MARK = """
 -- KEYS[1] - enqueue-time dedup marker of the key
@@ -872,7 +905,7 @@ return 0
 #: how long the coalesce book of a key outlives its last change
 COALESCE_KEEP_MS = 86_400_000
 
-COALESCE = _COMMON + """
+COALESCE = _script(_COMMON, """
 -- KEYS[1..n] - the key's run records
 -- KEYS[n+1] - queue of parked runs
 -- KEYS[n+2] - parked messages
@@ -977,7 +1010,7 @@ for i = 1, n do
   end
 end
 return answer(replaced)
-"""
+""")
 
 #: how long the order book of a key outlives its last change
 ORDER_KEEP_MS = 86_400_000
@@ -1011,7 +1044,7 @@ local function first_waiting(queue)
 end
 """
 
-ORDER_GATE = _COMMON + _ORDER_COMMON + """
+ORDER_GATE = _script(_COMMON, _ORDER_COMMON, """
 -- KEYS[1] - the order book of the key (hash: 'sent', 'next', 'at', 'a', 'to', 'skipped', 'w:<seq>')
 -- KEYS[2] - the sequence numbers waiting (sorted set)
 -- ARGV[1] - the run's sequence number
@@ -1064,9 +1097,9 @@ if at == 0 then
 end
 keep_book(book, queue, keep)
 return {2, math.max(at + timeout - now, 0)}
-"""
+""")
 
-ORDER_ADVANCE = _COMMON + _ORDER_COMMON + """
+ORDER_ADVANCE = _script(_COMMON, _ORDER_COMMON, """
 -- KEYS[1] - the order book of the key
 -- KEYS[2] - the sequence numbers waiting
 -- ARGV[1] - the admitted run's sequence number
@@ -1096,9 +1129,9 @@ else
 end
 keep_book(book, queue, tonumber(ARGV[3]))
 return successor or ''
-"""
+""")
 
-ORDER_SWEEP = _COMMON + _ORDER_COMMON + """
+ORDER_SWEEP = _script(_COMMON, _ORDER_COMMON, """
 -- KEYS[1] - the order book of the key
 -- KEYS[2] - the sequence numbers waiting
 -- ARGV[1] - order_timeout, milliseconds, unless the book has the key's own ('to', set by the gate)
@@ -1156,7 +1189,7 @@ end
 redis.call('HSET', book, 'skipped', table.concat(items, ','), 'next', target)
 redis.call('HDEL', book, 'a') -- a late advance of a skipped run hands nothing on
 return answer({2, redis.call('HGET', book, 'w:' .. target) or '', tostring(nxt), tostring(target - 1)})
-"""
+""")
 
 #: every script, for loading them all at once (the worker's start checks)
 ALL_SCRIPTS = (ACQUIRE, RELEASE, RENEW_MANY, PROGRESS, PARK, JOIN, RESUME, FORCE_RELEASE, REVISE_OUTCOME,

@@ -222,7 +222,7 @@ class LeaseStore:
         self.status_retention = status_retention
         self.history_length = history_length
         self.keep_ms = _ms(max(status_retention, REPLAY_WINDOW))
-        self._constants = f"{self.keep_ms}\x1f{history_length}".encode()  # encoded once
+        self._keep, self._cap = b"%d" % self.keep_ms, b"%d" % history_length  # encoded once
         self._known: dict[tuple[str, int], _Names] = {}
         self.cluster = is_cluster(client)
         self.renew_round_trips = 0  # on a Cluster: batches sent by renew() (one per node), for benchmarks
@@ -269,7 +269,8 @@ class LeaseStore:
         it over.
         """
         names = self._names(key, slots)
-        call = (f"{token}\x1f{_ms(ttl)}\x1f{self.keep_ms}\x1f{slots}\x1f{handoff}\x1f{earlier}"
+        ttl_ms = _ms(ttl)
+        call = (f"{token}\x1f{ttl_ms}\x1f{self.keep_ms}\x1f{ttl_ms + self.keep_ms}\x1f{handoff}\x1f{earlier}"
                 f"\x1f{holder.task_id}")
         reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued],
                               args=[call, holder.fields])
@@ -320,12 +321,12 @@ class LeaseStore:
         it did not).
         """
         names = self._names(key, max(slots, slot + 1))
-        call = (f"{token}\x1f{outcome}\x1f{'' if fence is None else fence}\x1f{slot + 1}\x1f{len(names.runs)}"
+        call = (f"{token}\x1f{outcome}\x1f{'' if fence is None else fence}\x1f{slot + 1}"
                 f"\x1f{_ms(ttl)}\x1f{1 if answer_joined else 0}\x1f{1 if clear_marker else 0}\x1f{task_id}")
         reply = self._release(
             keys=[*names.runs, names.histories[slot], names.queue, names.parked, names.joined, names.enqueued,
                   names.settled],
-            args=[call, self._constants],
+            args=[call, self._keep, self._cap],
         )
         if reply == 1:
             return _RELEASED
