@@ -77,6 +77,14 @@ def _helpers(library: str) -> list[tuple[str, str]]:
     return found
 
 
+def _fields(n: int) -> str:
+    """The Lua pattern that reads the ``n`` fields of a call packed into one argument (separated
+    by \\31, the unit separator; the last field takes the rest, so it may hold anything). One
+    argument is cheaper to send than many, and one ``string.match`` with a pattern written
+    out here is the cheapest way for a script to read it."""
+    return "^" + "([^\\31]*)\\31" * (n - 1) + "(.*)$"
+
+
 def _script(*parts: str) -> str:
     """A script: its body (the last part) after the helpers of the libraries (the other parts)
     that it uses, directly or through another helper, in their order. Lua makes a closure of
@@ -103,12 +111,6 @@ local function clock()
 end
 local function num(n)
   return string.format('%d', n)
-end
--- the ``n`` fields of a call's packed argument (separated by \\31, the unit separator; the last
--- field takes the rest, so it may hold anything): one argument instead of many is cheaper to send,
--- and one pattern match is the cheapest way to read it
-local function unpack_call(s, n)
-  return {string.match(s, '^' .. string.rep('([^\\31]*)\\31', n - 1) .. '(.*)$')}
 end
 local function decode(raw)
   if raw then
@@ -257,10 +259,10 @@ ACQUIRE = _script(_COMMON, _HAND_OFF, """
 --        {0, holder task id, lease ms left} if every slot is held (the holder whose lease ends first);
 --        {2, holder task id, lease ms left, message} if a slot was free but handed to the first
 --        parked run (the caller sends its message)
-local call = unpack_call(ARGV[1], 7)
+local token, ttl, keep, px, handoff, earlier, id = string.match(ARGV[1], '""" + _fields(7) + """')
 -- ``keep`` stays a string: only a hand-off does sums with it (Lua converts it there)
-local token, ttl, keep, px, n = call[1], tonumber(call[2]), call[3], call[4], #KEYS - 3
-local handoff, earlier, id = call[5], call[6], call[7]
+local n = #KEYS - 3
+ttl = tonumber(ttl)
 local queue, parked, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
 local recs = {}
 for i = 1, n do
@@ -447,10 +449,11 @@ RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, """
 --        {1, message of the parked run now handed the key or '', joined run messages...}: the
 --        caller sends the message and answers the joined runs; a bare 1 when there is neither.
 --        A second run of the same call answers as the first (a bare 1 may then come as {1, ''}).
-local call = unpack_call(ARGV[1], 8)
-local token, outcome, fence, slot, n = call[1], call[2], call[3], tonumber(call[4]), #KEYS - 6
--- numbers only a hand-off does sums with stay strings (Lua converts them there)
-local reservation_ttl, answer, clear, id = call[5], call[6] == '1', call[7] == '1', call[8]
+local token, outcome, fence, slot, reservation_ttl, answer, clear, id =
+  string.match(ARGV[1], '""" + _fields(8) + """')
+-- ``reservation_ttl`` stays a string: only a hand-off does sums with it (Lua converts it there)
+local n = #KEYS - 6
+slot, answer, clear = tonumber(slot), answer == '1', clear == '1'
 local keep, cap = ARGV[2], ARGV[3]
 local history, queue, parked, joined, marker, settled =
   KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4], KEYS[n + 5], KEYS[n + 6]
