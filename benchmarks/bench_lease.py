@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
-from benchutil import bar_chart, delete_matching, machine, redis_for, write_section
+from benchutil import CallgrindServer, bar_chart, delete_matching, machine, redis_for, write_section
 from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
@@ -409,7 +409,7 @@ def _verdict(value: float | None, ok: Callable[[float], bool]) -> str:
 
 def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
           instructions: dict[str, int] | None, ratios: tuple[float, float, float],
-          hold_ratios: tuple[float, float, float]) -> str:
+          hold_ratios: tuple[float, float, float], server_instructions: dict[str, int] | None = None) -> str:
     ratio, hold_ratio = ratios[0], hold_ratios[0]
 
     def spread(found: tuple[float, float, float]) -> str:
@@ -440,6 +440,15 @@ def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
             "client instructions per pair (callgrind, lease path / hold())",
             f"{instructions.get('store', 0):,} / {instructions.get('hold', 0):,}",
             f"{instructions.get('lock', 0):,}",
+            "—",
+            "info",
+        ))
+    if server_instructions:
+        rows.append((
+            "redis-server instructions per pair (callgrind, lease path / hold(); two PINGs: "
+            f"{server_instructions.get('pings', 0):,})",
+            f"{server_instructions.get('store', 0):,} / {server_instructions.get('hold', 0):,}",
+            f"{server_instructions.get('lock', 0):,}",
             "—",
             "info",
         ))
@@ -535,6 +544,40 @@ def instructions_per_pair(url: str) -> dict[str, int]:
     return counts
 
 
+def server_instructions_per_pair(pairs: int = 300) -> dict[str, int]:
+    """redis-server instructions per pair for each door and for two PINGs, from a private
+    server under callgrind (after a warm-up that loads the scripts): the server's side of the
+    cost, which the client's rate shows only mixed with the round-trip time. Empty without
+    valgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind not found: no server instruction counts")
+        return {}
+    counts: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = CallgrindServer(tmp).start(timeout=120)
+        doors: list[Any] = []
+        try:
+            namespace = f"sfbench-cg-{os.getpid()}"
+            doors = [Singleflight(server.url, namespace), PublicHold(server.url, namespace),
+                     RedisPyLock(server.url, namespace)]
+            ping = doors[0].client.ping
+
+            def two_pings() -> None:
+                ping()
+                ping()
+
+            for name, pair in zip(("store", "hold", "lock", "pings"), [*(d.pair for d in doors), two_pings],
+                                  strict=True):
+                for _ in range(50):
+                    pair()
+                counts[name] = server.instructions(lambda pair=pair: [pair() for _ in range(pairs)]) // pairs
+        finally:
+            for door in doors:
+                door.client.close()
+            server.close()
+    return counts
+
+
 def instructions_child(name: str, url: str, pairs: int) -> None:
     """The body ``instructions_per_pair`` runs under callgrind: warm up, then ``pairs`` pairs."""
     namespace = f"sfbench-cg-{os.getpid()}"
@@ -563,10 +606,11 @@ def parser_description(client: redis.Redis) -> str:
 #: parts of a lease script, each timed alone inside Redis (INFO commandstats, EVALSHA usec_per_call)
 _PARTS: list[tuple[str, str]] = [
     ("an empty script (Redis's own cost of one EVALSHA)", "return 1"),
-    ("defining the shared Lua helpers", scripts._COMMON + scripts._HAND_OFF + "return 1"),
+    ("defining the Lua helpers ACQUIRE uses (closures made on every call)",
+     scripts.ACQUIRE[:scripts.ACQUIRE.index("-- KEYS")] + "return 1"),
     ("TIME (the server clock: deadlines, fences)", "local t = redis.call('TIME') return 1"),
-    ("unpacking the packed call (9 fields)",
-     scripts._COMMON + "local c = unpack_call(ARGV[1], 9) return 1"),
+    ("reading the packed call (8 fields, one string.match)",
+     "local a, b, c, d, e, f, g, h = string.match(ARGV[1], '" + scripts._fields(8) + "') return 1"),
     ("GET and cjson.decode of a run record", "local r = cjson.decode(redis.call('GET', KEYS[1])) return 1"),
     ("cjson.encode and SET of a run record",
      "local r = cjson.decode(ARGV[2]) redis.call('SET', KEYS[1], cjson.encode(r), 'PX', 60000) return 1"),
@@ -629,7 +673,9 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
         ours_results = measure(ours, server, seconds, ours_rate)
         theirs_results = measure(theirs, server, seconds, theirs_rate)
         instructions = instructions_per_pair(url) if callgrind else {}
-        report = table(ours_results, theirs_results, hold_rate, seconds, instructions, ratios, hold_ratios)
+        server_instructions = server_instructions_per_pair() if callgrind else {}
+        report = table(ours_results, theirs_results, hold_rate, seconds, instructions, ratios, hold_ratios,
+                       server_instructions)
         breakdown = server_breakdown(server, namespace)
         notes = (
             "Verdicts are for celery_singleflight; redis-py Lock is the baseline, measured in the same "
@@ -681,7 +727,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="duration of each timed measurement")
     parser.add_argument("--redis-url", help="use this Redis (only keys under a unique prefix are touched)")
     parser.add_argument("--callgrind", action="store_true",
-                        help="also count client instructions per pair under valgrind (about a minute)")
+                        help="also count client and server instructions per pair under valgrind "
+                             "(about two minutes)")
     parser.add_argument("--write-docs", action="store_true", help="write the figures into docs/benchmarks.md")
     parser.add_argument("--instructions-of", choices=["store", "hold", "lock"], help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=100, help=argparse.SUPPRESS)

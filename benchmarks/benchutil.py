@@ -10,8 +10,10 @@ import importlib.metadata
 import os
 import platform
 import re
+import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +50,49 @@ def redis_for(url: str | None) -> Iterator[tuple[str, bool]]:
         yield server.url, True
     finally:
         server.close()
+
+
+class CallgrindServer(RedisServer):
+    """A private redis-server run under ``valgrind --tool=callgrind``, its counters zeroed and
+    dumped on request (``callgrind_control``): the server's instructions for a stretch of work,
+    the same whatever else the machine does."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def command(self) -> list[str]:
+        return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out_dir}/server.%p",
+                *super().command()]
+
+    def _control(self, flag: str) -> None:
+        assert self.proc is not None
+        subprocess.run(["callgrind_control", flag, str(self.proc.pid)], check=True, capture_output=True)
+
+    def zero(self) -> None:
+        """Start counting from here."""
+        self._control("-z")
+
+    def counted(self) -> int:
+        """Instructions the server executed since :meth:`zero`."""
+        before = set(os.listdir(self.out_dir))
+        self._control("-d")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for name in set(os.listdir(self.out_dir)) - before:
+                with open(os.path.join(self.out_dir, name)) as dump:
+                    # "totals:" is the dump's last line: a dump still being written has none
+                    found = re.search(r"^totals: (\d+)", dump.read(), re.M)
+                if found:
+                    return int(found.group(1))
+            time.sleep(0.1)
+        raise RuntimeError("callgrind wrote no dump of the server")
+
+    def instructions(self, work: Callable[[], None]) -> int:
+        """Instructions the server executed while ``work`` ran."""
+        self.zero()
+        work()
+        return self.counted()
 
 
 def delete_matching(client: redis.Redis, pattern: str) -> int:
