@@ -42,12 +42,12 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	touch $(BENCH_STAMP)
 
 # every benchmark, each comparing against the alternatives in the same run, each writing its own
-# section of docs/benchmarks.md (about 20 minutes)
+# section of docs/benchmarks.md (about 30 minutes)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_lease.py --callgrind --write-docs
 	$(PY) benchmarks/bench_progress.py --write-docs
 	$(PY) benchmarks/bench_queue.py --write-docs
-	$(PY) benchmarks/bench_throughput.py --write-docs
+	$(PY) benchmarks/bench_throughput.py --callgrind --write-docs
 	$(PY) benchmarks/bench_contended.py
 	$(PY) benchmarks/bench_recovery.py
 	$(PY) benchmarks/bench_time_policies.py --write-docs

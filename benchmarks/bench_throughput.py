@@ -2,7 +2,7 @@
 
 The budget (PRODUCT.md): end-to-end Celery throughput with a lease per task >= 0.95 x the same
 tasks without it, in paired runs. This benchmark runs the no-op task of
-``benchmarks/throughputapp.py`` in five variants, same body, same shape ``(i, round_id, target)``,
+``benchmarks/throughputapp.py`` in six variants, same body, same shape ``(i, round_id, target)``,
 ``ignore_result=True``, Redis broker:
 
 1. plain Celery ``Task`` (the baseline);
@@ -10,6 +10,9 @@ tasks without it, in paired runs. This benchmark runs the no-op task of
    that takes and releases a lock in the worker with two round trips (the budget's
    "2 round trips per acquire + release"), so the report shows how much of the gap is the
    machine's round-trip time and how much is the library;
+1c. plain ``Task`` inside redis-py's ``Lock`` (``SET NX PX``, body, release script), a unique
+   name per task: the simplest real lock taken in the worker, which records nothing (no holder,
+   fence, status or outcome) and renews nothing;
 2. ``SingleFlightTask`` with a unique key per task (``lock_key="tp:<round_id>:<i>"``): never
    contended, so it measures the lease's own cost in the worker (acquire, heartbeat
    registration, release);
@@ -36,7 +39,8 @@ before the first message is taken, so the worker never waits for the producer. O
 warm-up worker first runs a few tasks of every variant (Lua scripts loaded into the server,
 page cache warm).
 
-Rounds are interleaved (plain, singleflight, once, singleton; again ...; ``--rounds``, default 3),
+Rounds are interleaved (plain, two_pings, redis_lock, singleflight, once, singleton; again ...;
+``--rounds``, default 7),
 so slow drift of a busy machine hits every variant alike. The report: per variant the median
 tasks/s with min and max, the median dispatch rate, and the ratio to plain Celery, paired (the
 median over rounds of variant/plain of the same round), with the verdict for SingleFlightTask
@@ -62,6 +66,7 @@ import argparse
 import contextlib
 import os
 import platform
+import shutil
 import statistics
 import time
 import uuid
@@ -75,6 +80,7 @@ import celery
 import kombu
 import psutil
 import redis
+import traced_tasks
 from benchutil import (
     bar_chart,
     delete_matching,
@@ -95,10 +101,11 @@ CONCURRENCY = 2
 BUDGET_RATIO = 0.95  # wall-clock throughput, paired median, against plain Celery
 CPU_BUDGET = 1.10  # worker + redis-server CPU per task, against plain Celery plus two PINGs
 WARMUP_TASKS = 50  # per variant, in the unmeasured warm-up worker
-VARIANTS = ("plain", "two_pings", "singleflight", "once", "singleton")
+VARIANTS = ("plain", "two_pings", "redis_lock", "singleflight", "once", "singleton")
 LABELS = {
     "plain": "plain Celery `Task` (baseline)",
     "two_pings": "plain `Task` + 2 PINGs (floor of any 2-round-trip lease)",
+    "redis_lock": "plain `Task` inside redis-py `Lock` (a bare lock: no record, no heartbeat)",
     "singleflight": "`SingleFlightTask`, unique key per task",
     "once": "`celery_once.QueueOnce` (lock at dispatch)",
     "singleton": "`celery_singleton.Singleton` (lock at dispatch)",
@@ -155,6 +162,8 @@ class Bench:
         prefix = self.ta.PREFIX
         if variant == "singleflight":
             return f"{prefix}:{{*}}:run"
+        if variant == "redis_lock":
+            return f"{prefix}:lock:*"
         if variant == "once":
             return f"qo_{self.ta.once_task_name()}_*"
         if variant == "singleton":
@@ -325,10 +334,12 @@ def paired_cpu_ratio(variant: Variant, floor: Variant) -> tuple[float, list[floa
 def cpu_table(variants: Sequence[Variant]) -> str:
     """CPU per task, the budget's steadier measure: worker + redis-server CPU per 1,000 tasks."""
     floor = next((v for v in variants if v.name == "two_pings" and v.runs), None)
+    bare_lock = next((v for v in variants if v.name == "redis_lock" and v.runs), None)
     lines = [
         "| variant | worker CPU ms/task (median) | redis-server CPU ms/task | CPU s per 1,000 tasks (median) "
-        "| ratio to the 2-PING floor (paired median) | budget | verdict |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| ratio to the 2-PING floor (paired median) | ratio to redis-py `Lock` (paired median) | budget "
+        "| verdict |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for v in variants:
         measured = [m for m in v.runs if cpu_per_thousand(m) is not None]
@@ -339,13 +350,39 @@ def cpu_table(variants: Sequence[Variant]) -> str:
         total = statistics.median(cpu_per_thousand(m) or 0.0 for m in measured)
         got = paired_cpu_ratio(v, floor) if floor is not None else None
         ratio = "—" if got is None or v.name == "two_pings" else f"{got[0]:.3f}"
+        to_lock = paired_cpu_ratio(v, bare_lock) if bare_lock is not None else None
+        lock_ratio = "—" if to_lock is None or v.name == "redis_lock" else f"{to_lock[0]:.3f}"
         if v.name == "singleflight":
             budget = f"≤ {CPU_BUDGET:g} x floor"
             verdict = "n/a" if got is None else ("PASS" if got[0] <= CPU_BUDGET else "MISS")
         else:
             budget, verdict = "—", "floor" if v.name == "two_pings" else "comparison"
-        lines.append(f"| {LABELS[v.name]} | {worker:.3f} | {redis_ms:.3f} | {total:.3f} | {ratio} | {budget} "
-                     f"| {verdict} |")
+        lines.append(f"| {LABELS[v.name]} | {worker:.3f} | {redis_ms:.3f} | {total:.3f} | {ratio} "
+                     f"| {lock_ratio} | {budget} | {verdict} |")
+    return "\n".join(lines)
+
+
+def instructions_table(counted: dict[str, tuple[int, int]]) -> str:
+    """Instructions per task, the steadiest measure: the pool child running the task through
+    Celery's tracer, and the redis-server's work for it (callgrind; see ``traced_tasks.py``)."""
+    if not counted:
+        return ""
+    floor = sum(counted.get("two_pings", (0, 0)))
+    bare_lock = sum(counted.get("redis_lock", (0, 0)))
+    lines = [
+        "Instructions per task (callgrind: the task run through Celery's tracer as a pool child runs "
+        "it, and the redis-server's work for it; the worker's main process, the same for every "
+        "variant, is not counted):",
+        "",
+        "| variant | pool child | redis-server | both | ratio to the 2-PING floor "
+        "| ratio to redis-py `Lock` |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, (child, server) in counted.items():
+        both = child + server
+        to_floor = f"{both / floor:.3f}" if floor and name != "two_pings" else "—"
+        to_lock = f"{both / bare_lock:.3f}" if bare_lock and name != "redis_lock" else "—"
+        lines.append(f"| {LABELS[name]} | {child:,} | {server:,} | {both:,} | {to_floor} | {to_lock} |")
     return "\n".join(lines)
 
 
@@ -475,6 +512,11 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         ta.app.pool.force_close_all()
 
     summary, cpu, per_round = summary_table(variants), cpu_table(variants), rounds_table(variants)
+    instructions = ""
+    if args.callgrind:
+        print("instructions per task under callgrind (a few minutes):", flush=True)
+        counted = traced_tasks.instructions_per_task() if shutil.which("valgrind") else {}
+        instructions = instructions_table(counted)
     heading = (f"Throughput, {args.tasks:,} no-op tasks per measurement (N / (last end - first start)), "
                f"{args.rounds} interleaved round(s):")
     notes = ("celery-once and celery-singleton take their lock in `apply_async`, in the producer (this "
@@ -495,6 +537,9 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     print()
     print(cpu)
     print()
+    if instructions:
+        print(instructions)
+        print()
     print("Per measurement:")
     print()
     print(per_round)
@@ -520,7 +565,7 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
             f"Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_throughput.py --rounds "
             f"{args.rounds}` (private redis-server {server_version}; `celery worker --pool prefork "
             f"--concurrency {CONCURRENCY}`, a fresh one per measurement). Measured {machine()}.",
-            heading, summary, "CPU per task:", cpu, chart, notes,
+            heading, summary, "CPU per task:", cpu, chart, instructions, notes,
             "<details><summary>Per measurement</summary>", per_round, "</details>",
         ])))
     print(f"total time {time.monotonic() - started:.0f} s")
@@ -538,6 +583,8 @@ def main() -> int:
                         help="keep Celery's per-task INFO log lines (received/succeeded) in the workers")
     parser.add_argument("--keep-logs", action="store_true", help="keep the workers' log files")
     parser.add_argument("--write-docs", action="store_true", help="write the figures into docs/benchmarks.md")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="also count instructions per task (pool child and redis-server) under valgrind")
     args = parser.parse_args()
     if args.tasks < 2 or args.rounds < 1:
         parser.error("--tasks must be >= 2 and --rounds >= 1")

@@ -4,6 +4,9 @@ One no-op task per variant, all with the same shape ``(i, round_id, target)`` an
 ``ignore_result=True``:
 
 - ``plain``: a plain Celery ``Task`` (the baseline);
+- ``two_pings``: a plain task plus two PINGs to the lease Redis (the floor of any 2-round-trip lease);
+- ``redis_lock``: a plain task inside redis-py's ``Lock`` (acquire, body, release): the simplest
+  real lock taken in the worker, with a unique name per task;
 - ``singleflight``: ``SingleFlightTask`` with ``lock_key="tp:<round_id>:<i>"``: a unique key per
   task, so every run takes an uncontended lease (acquire, heartbeat registration, release);
 - ``once``: ``celery_once.QueueOnce`` (its Redis backend): the lock is taken in ``apply_async``,
@@ -77,8 +80,8 @@ UNAVAILABLE: dict[str, str] = {}
 #: variant -> task
 TASKS: dict[str, Any] = {}
 #: variant -> whether it locks at dispatch (in the producer) rather than in the worker
-LOCKS_AT_DISPATCH = {"plain": False, "two_pings": False, "singleflight": False, "once": True,
-                     "singleton": True}
+LOCKS_AT_DISPATCH = {"plain": False, "two_pings": False, "redis_lock": False, "singleflight": False,
+                     "once": True, "singleton": True}
 
 
 def count_key(round_id: str) -> str:
@@ -128,9 +131,28 @@ def two_pings(i: int, round_id: str, target: int) -> None:
     locks.ping()
 
 
+def lock_name(round_id: str, i: int) -> str:
+    return f"{PREFIX}:lock:{round_id}:{i}"
+
+
+@app.task(name="throughputapp.redis_lock", ignore_result=True)
+def redis_lock(i: int, round_id: str, target: int) -> None:
+    """The simplest real lock taken in the worker: redis-py's ``Lock`` (``SET NX PX``, then a
+    release script), a unique name per task as for ``singleflight``; no holder, fence, status or
+    outcome is recorded, no heartbeat."""
+    lock = locks.lock(lock_name(round_id, i), timeout=30)
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(f"lock {lock.name!r} was taken")
+    try:
+        _body(round_id, target)
+    finally:
+        lock.release()
+
+
 TASKS["plain"] = plain
 TASKS["singleflight"] = singleflight
 TASKS["two_pings"] = two_pings
+TASKS["redis_lock"] = redis_lock
 
 try:
     from celery_once import QueueOnce
