@@ -535,6 +535,7 @@ def instructions_per_pair(url: str) -> dict[str, int]:
                     ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out", sys.executable,
                      __file__, "--instructions-of", name, "--pairs", str(pairs), "--redis-url", url],
                     capture_output=True, text=True, check=True,
+                    env={**os.environ, "PYTHONHASHSEED": "0"},  # the same dict layouts in every run
                 )
             found = re.search(r"Collected : (\d+)", done.stderr)
             if found is None:

@@ -383,6 +383,17 @@ def instructions_table(counted: dict[str, tuple[int, int]]) -> str:
         to_floor = f"{both / floor:.3f}" if floor and name != "two_pings" else "—"
         to_lock = f"{both / bare_lock:.3f}" if bare_lock and name != "redis_lock" else "—"
         lines.append(f"| {LABELS[name]} | {child:,} | {server:,} | {both:,} | {to_floor} | {to_lock} |")
+    ours = counted.get("singleflight")
+    for other, label in (("two_pings", "the 2-PING floor"), ("redis_lock", "the bare `Lock`")):
+        theirs = counted.get(other)
+        if ours is None or theirs is None:
+            continue
+        child, server = ours[0] - theirs[0], ours[1] - theirs[1]
+        share = f" ({server / (child + server):.0%})" if child >= 0 and server >= 0 and child + server else ""
+        lines.append("")
+        lines.append(f"SingleFlightTask over {label}: {child + server:+,} instructions per task, "
+                     f"{server:+,}{share} in the redis-server (the two lease scripts, which keep the run "
+                     f"record: holder, fence, status, outcome) and {child:+,} in the pool child.")
     return "\n".join(lines)
 
 
@@ -563,7 +574,8 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         write_section("throughput", "\n\n".join(filter(None, [
             "## End-to-end throughput and CPU per task (`benchmarks/bench_throughput.py`)",
             f"Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_throughput.py --rounds "
-            f"{args.rounds}` (private redis-server {server_version}; `celery worker --pool prefork "
+            f"{args.rounds}{' --callgrind' if args.callgrind else ''}` (private redis-server "
+            f"{server_version}; `celery worker --pool prefork "
             f"--concurrency {CONCURRENCY}`, a fresh one per measurement). Measured {machine()}.",
             heading, summary, "CPU per task:", cpu, chart, instructions, notes,
             "<details><summary>Per measurement</summary>", per_round, "</details>",
