@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import re
 import signal
 import threading
 import time
@@ -449,3 +450,21 @@ def test_a_thread_gives_its_kept_connection_back_when_it_ends(redis_server: Redi
     gc.collect()
     assert len(pool._in_use_connections) <= 1  # type: ignore[attr-defined]
     assert len(pool._available_connections) <= 2  # type: ignore[attr-defined]
+
+
+def test_every_script_defines_each_helper_it_calls() -> None:
+    """Each script carries only the Lua helpers it uses (they come before its body); a helper
+    left out would fail only on the (perhaps rare) path that calls it, as a call of nil. Checked
+    on the text of every script."""
+    libraries = [scripts._COMMON, scripts._HAND_OFF, scripts._ENDING, scripts._ORDER_COMMON]
+    names = [name for library in libraries for name, _ in scripts._helpers(library)]
+    assert {"clock", "hand_off", "drop_own_copy", "keep_book", "OWN_COPY"} <= set(names)
+    for source in scripts.ALL_SCRIPTS:
+        for name in names:
+            used = re.search(rf"(?<![\w.]){name}\b(?!\s*=)", source.replace(f"local function {name}(", ""))
+            if used is None:
+                continue
+            defined = re.search(rf"^local (?:function )?{name}\b", source, re.M)
+            assert defined is not None, f"{name} is used but not defined in:\n{source[:300]}"
+    # and only what it uses: the release script does not make the ordering helpers
+    assert "keep_book" not in scripts.RELEASE and "local function all_held" not in scripts.ACQUIRE
