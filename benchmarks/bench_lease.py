@@ -545,6 +545,17 @@ def instructions_per_pair(url: str) -> dict[str, int]:
     return counts
 
 
+def two_pings(client: redis.Redis) -> Callable[[], None]:
+    """The cheapest conceivable 2-round-trip "pair" with this client: two bare PINGs."""
+    ping = client.ping
+
+    def pair() -> None:
+        ping()
+        ping()
+
+    return pair
+
+
 def server_instructions_per_pair(pairs: int = 300) -> dict[str, int]:
     """redis-server instructions per pair for each door and for two PINGs, from a private
     server under callgrind (after a warm-up that loads the scripts): the server's side of the
@@ -561,14 +572,8 @@ def server_instructions_per_pair(pairs: int = 300) -> dict[str, int]:
             namespace = f"sfbench-cg-{os.getpid()}"
             doors = [Singleflight(server.url, namespace), PublicHold(server.url, namespace),
                      RedisPyLock(server.url, namespace)]
-            ping = doors[0].client.ping
-
-            def two_pings() -> None:
-                ping()
-                ping()
-
-            for name, pair in zip(("store", "hold", "lock", "pings"), [*(d.pair for d in doors), two_pings],
-                                  strict=True):
+            pairs_of = [*(door.pair for door in doors), two_pings(doors[0].client)]
+            for name, pair in zip(("store", "hold", "lock", "pings"), pairs_of, strict=True):
                 for _ in range(50):
                     pair()
                 counts[name] = server.instructions(lambda pair=pair: [pair() for _ in range(pairs)]) // pairs
@@ -661,13 +666,8 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
                 pair()
         print(f"python {platform.python_version()}, redis-py {redis.__version__}, "
               f"parser {parser_description(ours.client)}")
-        ping = ours.client.ping
-
-        def two_pings() -> None:  # the cheapest conceivable 2-round-trip pair with this client
-            ping()
-            ping()
-
-        rates, per_slice = pairs_per_second([ours.pair, public.pair, theirs.pair, two_pings], seconds)
+        rates, per_slice = pairs_per_second([ours.pair, public.pair, theirs.pair, two_pings(ours.client)],
+                                            seconds)
         ours_rate, hold_rate, theirs_rate, ceiling = rates
         ratios = paired_ratio(per_slice[0], per_slice[2])
         hold_ratios = paired_ratio(per_slice[1], per_slice[2])

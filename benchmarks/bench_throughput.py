@@ -66,7 +66,6 @@ import argparse
 import contextlib
 import os
 import platform
-import shutil
 import statistics
 import time
 import uuid
@@ -526,8 +525,7 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     instructions = ""
     if args.callgrind:
         print("instructions per task under callgrind (a few minutes):", flush=True)
-        counted = traced_tasks.instructions_per_task() if shutil.which("valgrind") else {}
-        instructions = instructions_table(counted)
+        instructions = instructions_table(traced_tasks.instructions_per_task())
     heading = (f"Throughput, {args.tasks:,} no-op tasks per measurement (N / (last end - first start)), "
                f"{args.rounds} interleaved round(s):")
     notes = ("celery-once and celery-singleton take their lock in `apply_async`, in the producer (this "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import redis
 from benchutil import CallgrindServer, import_app
+from celery.app.trace import build_tracer, fast_trace_task, setup_worker_optimizations
 
 from celery_singleflight import scripts
 
@@ -41,8 +43,6 @@ FEW, MANY = 100, 400
 
 def run_traced(variant: str, tasks: int, url: str) -> None:
     """Run ``WARMUP + tasks`` tasks of ``variant`` through Celery's tracer, as a pool child does."""
-    from celery.app.trace import build_tracer, fast_trace_task, setup_worker_optimizations
-
     ta, _ = import_app("throughputapp", {
         "SF_TP_BROKER": f"{url}/0", "SF_TP_LOCKS": f"{url}/1", "SF_TP_RECORDER": f"{url}/2",
         "SF_TP_PREFIX": f"sftr-{uuid.uuid4().hex[:8]}",
@@ -83,6 +83,9 @@ def child_instructions(variant: str, tasks: int, url: str, out_dir: Path) -> int
 
 def instructions_per_task() -> dict[str, tuple[int, int]]:
     """``variant -> (pool child, redis-server)`` instructions per task; empty without valgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind not found: no instruction counts")
+        return {}
     counts: dict[str, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         server_dir, child_dir = Path(tmp, "server"), Path(tmp, "child")
