@@ -13,6 +13,13 @@ out when ``deadline`` (server milliseconds) passes; the key itself lives ``keep`
 outcome, the fence and the proof of a release survive for a replay, the status reader and the
 next fence. Numbers are stored as strings: ``cjson`` would print a 16-digit fence as ``1.7e+15``.
 
+**The plain path.** Most runs are plain: one slot, never parked, nobody joined, no progress.
+ACQUIRE writes a run's record with its lease fields first in a fixed order, and marks a plain
+run's record by opening it with ``{ `` (JSON allows the space; ``cjson`` never writes one, so a
+script that changes the record drops the mark). RELEASE reads such a record as text and writes
+the released one the same way, and the next ACQUIRE reads that as text too. Both answer these
+calls before they make any helper; the records decode to what the general path would write.
+
 **Fences** are ``max(last fence + 1, server clock in microseconds)``: they only grow, also after
 Redis lost its data or came back from an older snapshot, unless the server's clock goes back.
 
@@ -44,6 +51,8 @@ __all__ = [
     "NOTE_DUPLICATE",
     "OWN_COPY",
     "PARK",
+    "PLAIN_RELEASED",
+    "PLAIN_RUNNING",
     "PROGRESS",
     "RELEASE",
     "RENEW_MANY",
@@ -58,6 +67,14 @@ OWN_COPY = "own-"
 SETTLE_KEEP_MS = 120_000
 #: how many fences of runs whose lease ran out a record remembers
 _LOST_KEPT = 8
+#: the Lua pattern RELEASE reads a plain run's record with, after its token: fence, since, and
+#: where the rest starts (``rt`` if the previous run left one, ``lost`` if runs were lost, the
+#: holder, the previous run)
+PLAIN_RUNNING = '^(%d+)","since":"(%d+)","deadline":"%d+","state":"running",()'
+#: the Lua pattern ACQUIRE reads a released plain record with: the releasing token, the fence, the
+#: outcome and the task id (a JSON string literal without escapes, copied as it is); a record with
+#: ``lost`` between them takes the general path (a lease ran out unreleased: rare)
+PLAIN_RELEASED = '^{ "rt":"([^"]*)","fence":"(%d+)","outcome":"([^"]*)","task_id":("[^"\\\\]*")'
 
 def _helpers(library: str) -> list[tuple[str, str]]:
     """A helper library split into its definitions, ``(name, text)`` in order: each ``local
@@ -85,20 +102,24 @@ def _fields(n: int) -> str:
     return "^" + "([^\\31]*)\\31" * (n - 1) + "(.*)$"
 
 
-def _script(*parts: str) -> str:
+def _script(*parts: str, plain: str = "") -> str:
     """A script: its body (the last part) after the helpers of the libraries (the other parts)
     that it uses, directly or through another helper, in their order. Lua makes a closure of
     every ``local function`` each time a script runs, so a script carries only the helpers it
-    calls."""
+    calls, and ``plain`` (the script's plain path, which returns early on the commonest call)
+    comes before them all: a call it answers makes none."""
     *libraries, body = parts
     helpers = [helper for library in libraries for helper in _helpers(library)]
     used: set[str] = set()
     seen = body
+    code = re.sub(r"--[^\n]*", "", plain)  # the plain path without its comments
     for name, text in reversed(helpers):  # a helper only calls helpers defined before it
         if re.search(rf"\b{name}\b", seen):
             used.add(name)
             seen += text
-    return "".join(text for name, text in helpers if name in used) + body
+        if re.search(rf"\b{name}\b", code):
+            raise ValueError(f"the plain path runs before the helpers, so it cannot use {name}")
+    return plain + "".join(text for name, text in helpers if name in used) + body
 
 
 # Shared by every script: the clock, records and their tests.
@@ -239,7 +260,8 @@ local function hand_off(slot, n, recs, queue, parked, now, ttl, keep, by, mine, 
 end
 """
 
-ACQUIRE = _script(_COMMON, _HAND_OFF, """
+# The call's fields and the plain path come first: a call the plain path answers makes no helper.
+_ACQUIRE_PLAIN = """
 -- KEYS[1..n] - the key's run records, one per slot (n = max_concurrency, usually 1; #KEYS - 3)
 -- KEYS[n+1]  - queue of parked runs (list of 'task id|handoff token')
 -- KEYS[n+2]  - parked messages (hash: task id -> message)
@@ -262,10 +284,42 @@ ACQUIRE = _script(_COMMON, _HAND_OFF, """
 local token, ttl, keep, px, handoff, earlier, id = string.match(ARGV[1], '""" + _fields(7) + """')
 -- ``keep`` stays a string: only a hand-off does sums with it (Lua converts it there)
 local n = #KEYS - 3
-ttl = tonumber(ttl)
 local queue, parked, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
-local recs = {}
-for i = 1, n do
+local first = redis.call('GET', KEYS[1])
+if n == 1 and handoff == '' and earlier == '' then
+  -- The plain path: one slot, a run never parked, and a key with no record (nobody held it
+  -- lately) or with the record a plain run's release left (it opens with '{ ', see RELEASE). What
+  -- the general path below would do, reading that record as text and the clock's digits as they
+  -- come.
+  local rt, fence, outcome, prev_id = '', nil, nil, nil
+  if first then
+    -- what is read comes first in a released plain record (a pattern costs the server per byte)
+    rt, fence, outcome, prev_id = string.match(first, '""" + PLAIN_RELEASED + """')
+  end
+  if rt then
+    local t = redis.call('TIME')
+    local us = string.sub('00000' .. t[2], -6)
+    local since, new_fence = t[1] .. string.sub(us, 1, 3), t[1] .. us
+    local extra = ''
+    if fence then
+      if fence + 1 > tonumber(new_fence) then
+        new_fence = string.format('%d', fence + 1)
+      end
+      rt = '"rt":"' .. rt .. '",'
+      extra = ',"prev_task_id":' .. prev_id .. ',"prev_outcome":"' .. outcome .. '"'
+    end
+    redis.call('SET', KEYS[1], '{ "token":"' .. token .. '","fence":"' .. new_fence .. '","since":"' ..
+      since .. '","deadline":"' .. string.format('%d', since + ttl) .. '","state":"running",' .. rt ..
+      ARGV[2] .. extra .. '}', 'PX', px)
+    return new_fence .. ':' .. since .. ':0:'
+  end
+end
+"""
+
+ACQUIRE = _script(_COMMON, _HAND_OFF, """
+ttl = tonumber(ttl)
+local recs = {decode(first)}
+for i = 2, n do
   recs[i] = decode(redis.call('GET', KEYS[i]))
 end
 local now, now_us = clock()
@@ -336,23 +390,17 @@ if handoff ~= '' then
 end
 local prev = recs[slot]
 local fence = num(next_fence(recs, n, now_us))
-local extra = ''
+local extra, lost = '', ''
 if prev then
   local prev_id, prev_outcome = previous(prev, now)
   if prev_id then
     extra = ',"prev_task_id":' .. cjson.encode(prev_id) ..
       ',"prev_outcome":' .. cjson.encode(prev_outcome or '')
   end
-  local lost = prev.lost
+  lost = prev.lost or ''
   if expired(prev, now) and not adopting then
     lost = add_lost(lost, prev.fence)
     forget_dead(marker, prev)
-  end
-  if lost then
-    extra = extra .. ',"lost":"' .. lost .. '"'
-  end
-  if prev.rt then
-    extra = extra .. ',"rt":"' .. prev.rt .. '"'
   end
   if prev.joined then
     extra = extra .. ',"joined":"1"'
@@ -367,11 +415,20 @@ if waiting then
   extra = extra .. ',"waiting":"1"'
 end
 local since = num(now)
-redis.call('SET', KEYS[slot], '{' .. ARGV[2] .. ',"token":"' .. token .. '","fence":"' .. fence ..
-  '","since":"' .. since .. '","deadline":"' .. num(now + ttl) .. '","state":"running"' .. extra .. '}',
+-- The lease fields first, in this order, then ``rt`` and ``lost`` if set, then the holder (its
+-- task id first). A plain run's record (nobody joined or waiting, not superseded) opens with '{ '
+-- instead of '{': cjson never writes a space, so only a record this line wrote (and RENEW_MANY
+-- kept) has it, and RELEASE may read it as text.
+local open = (prev and (prev.joined or (adopting and prev.sup_by)) or waiting) and '{' or '{ '
+local rt = prev and prev.rt and prev.rt ~= '' and '"rt":"' .. prev.rt .. '",' or ''
+if lost ~= '' then
+  rt = rt .. '"lost":"' .. lost .. '",'
+end
+redis.call('SET', KEYS[slot], open .. '"token":"' .. token .. '","fence":"' .. fence .. '","since":"' ..
+  since .. '","deadline":"' .. num(now + ttl) .. '","state":"running",' .. rt .. ARGV[2] .. extra .. '}',
   'PX', px)
 return string.format('%s:%s:%d:%s', fence, since, slot - 1, adopting and prev and prev.sup_by or '')
-""")
+""", plain=_ACQUIRE_PLAIN)
 
 # Shared by RELEASE and FORCE_RELEASE.
 _ENDING = """
@@ -426,7 +483,7 @@ local function settled_for(settled, by)
 end
 """
 
-RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, """
+_RELEASE_PLAIN = """
 -- KEYS[1..n] - the key's run records (n = its number of slots, #KEYS - 6; this run's is KEYS[slot])
 -- KEYS[n+1] - this run's history stream
 -- KEYS[n+2] - queue of parked runs
@@ -457,7 +514,36 @@ slot, answer, clear = tonumber(slot), answer == '1', clear == '1'
 local keep, cap = ARGV[2], ARGV[3]
 local history, queue, parked, joined, marker, settled =
   KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4], KEYS[n + 5], KEYS[n + 6]
-local r = decode(redis.call('GET', KEYS[slot]))
+local raw = redis.call('GET', KEYS[slot])
+-- The plain path: the record of a plain run, as ACQUIRE wrote it (it opens with '{ '), with
+-- nothing for this release to do but record the outcome (no history, which PROGRESS would have
+-- re-encoded; no marker to clear; an outcome JSON would not escape). The text after the lease
+-- fields and the previous ``rt`` (``lost``, the holder, the previous run) is kept as it is: the
+-- record is neither decoded nor encoded. The answer and the record are the ones the general path
+-- below would give; the record opens with '{ ' too, so the next ACQUIRE reads it as text.
+if raw and not clear and not string.find(outcome, '[%c"\\\\]') then
+  local head = '{ "token":"' .. token .. '","fence":"'
+  if string.find(raw, head, 1, true) == 1 then
+    local fence_s, since_s, rest = string.match(raw, '""" + PLAIN_RUNNING + """', #head + 1)
+    if fence_s then
+      if string.sub(raw, rest, rest + 5) == '"rt":"' then -- the previous run's: this one's replaces it
+        rest = string.find(raw, '"', rest + 6, true) + 2
+      end
+      local t = redis.call('TIME')
+      local ended = t[1] .. string.sub(string.sub('00000' .. t[2], -6), 1, 3)
+      -- what the next ACQUIRE reads first: the releasing token, the fence, the outcome, then
+      -- the holder's task id (or ``lost``), which opens the text kept as it was
+      redis.call('SET', KEYS[slot], '{ "rt":"' .. token .. '","fence":"' .. fence_s .. '","outcome":"' ..
+        outcome .. '",' .. string.sub(raw, rest, -2) .. ',"since":"' .. since_s .. '","state":"' .. outcome ..
+        '","ended":"' .. ended .. '","updated":"' .. ended .. '"}', 'PX', keep)
+      return 1
+    end
+  end
+end
+"""
+
+RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, """
+local r = decode(raw)
 if not (r and r.token == token) then
   if r and (r.rt == token or (r.reserved and r.by == token)) then
     -- this call ran before: answer as it did
@@ -540,7 +626,7 @@ if #out == 2 then
   return 1 -- nothing handed on, nobody joined: the cheapest reply to read
 end
 return out
-""")
+""", plain=_RELEASE_PLAIN)
 
 RENEW_MANY = _script(_COMMON, """
 -- KEYS[2i-1] - run record of lease i
