@@ -559,8 +559,8 @@ def two_pings(client: redis.Redis) -> Callable[[], None]:
 def server_instructions_per_pair(pairs: int = 300) -> dict[str, int]:
     """redis-server instructions per pair for each door and for two PINGs, from a private
     server under callgrind (after a warm-up that loads the scripts): the server's side of the
-    cost, which the client's rate shows only mixed with the round-trip time. Empty without
-    valgrind."""
+    cost, which the client's rate shows only mixed with the round-trip time; and per call of each
+    script part run alone (``part:<label>``). Empty without valgrind."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind not found: no server instruction counts")
         return {}
@@ -577,6 +577,7 @@ def server_instructions_per_pair(pairs: int = 300) -> dict[str, int]:
                 for _ in range(50):
                     pair()
                 counts[name] = server.instructions(lambda pair=pair: [pair() for _ in range(pairs)]) // pairs
+            counts.update(_part_instructions(server, namespace))
         finally:
             for door in doors:
                 door.client.close()
@@ -609,42 +610,90 @@ def parser_description(client: redis.Redis) -> str:
     return f"{name}, RESP{protocol} ({hiredis})"
 
 
-#: parts of a lease script, each timed alone inside Redis (INFO commandstats, EVALSHA usec_per_call)
-_PARTS: list[tuple[str, str]] = [
-    ("an empty script (Redis's own cost of one EVALSHA)", "return 1"),
-    ("defining the Lua helpers ACQUIRE uses (closures made on every call)",
-     scripts.ACQUIRE[:scripts.ACQUIRE.index("-- KEYS")] + "return 1"),
-    ("TIME (the server clock: deadlines, fences)", "local t = redis.call('TIME') return 1"),
-    ("reading the packed call (8 fields, one string.match)",
-     "local a, b, c, d, e, f, g, h = string.match(ARGV[1], '" + scripts._fields(8) + "') return 1"),
-    ("GET and cjson.decode of a run record", "local r = cjson.decode(redis.call('GET', KEYS[1])) return 1"),
-    ("cjson.encode and SET of a run record",
-     "local r = cjson.decode(ARGV[2]) redis.call('SET', KEYS[1], cjson.encode(r), 'PX', 60000) return 1"),
+#: a plain run's record while it runs, and after its release (as the plain path writes them)
+_TOKEN, _TASK_ID = "0" * 32, "1" * 32
+_HOLDER = (f'"task_id":"{_TASK_ID}","task_name":"proj.tasks.sync","worker":"celery@host","host":"host",'
+           '"pid":"1234"')
+_RUNNING = ('{ "token":"' + _TOKEN + '","fence":"1795446547423730","since":"1795446547423",'
+            '"deadline":"1795446577423","state":"running",' + _HOLDER + "}")
+_RELEASED = ('{ "rt":"' + _TOKEN + '","fence":"1795446547423730","outcome":"succeeded",' + _HOLDER +
+             ',"since":"1795446547423","state":"succeeded","ended":"1795446547424","updated":"1795446547424"}')
+#: the Lua helpers ACQUIRE's general path makes (between its plain path and its body)
+_ACQUIRE_HELPERS = scripts.ACQUIRE[len(scripts._ACQUIRE_PLAIN):
+                                   scripts.ACQUIRE.index("\nttl = tonumber(ttl)\n")]
+
+#: parts of a lease script, each timed alone inside Redis (INFO commandstats, EVALSHA usec_per_call):
+#: (label, script, its ARGV[2]); ARGV[1] is a packed call
+_PARTS: list[tuple[str, str, str]] = [
+    ("an empty script (Redis's own cost of one EVALSHA)", "return 1", _RUNNING),
+    ("TIME (the server clock: deadlines, fences)", "local t = redis.call('TIME') return 1", _RUNNING),
+    ("reading the packed call (7 fields, one string.match)",
+     "local a, b, c, d, e, f, g = string.match(ARGV[1], '" + scripts._fields(7) + "') return 1", _RUNNING),
+    ("GET of a run record", "local raw = redis.call('GET', KEYS[1]) return 1", _RUNNING),
+    ("plain path: reading a running record as text (RELEASE)",
+     "local head = '{ \"token\":\"" + _TOKEN + "\",\"fence\":\"' "
+     "if string.find(ARGV[2], head, 1, true) == 1 then "
+     "local f, s, rest = string.match(ARGV[2], '" + scripts.PLAIN_RUNNING + "', #head + 1) end return 1",
+     _RUNNING),
+    ("plain path: reading a released record as text (ACQUIRE)",
+     "local rt, f, o, id = string.match(ARGV[2], '" + scripts.PLAIN_RELEASED + "') return 1", _RELEASED),
+    ("writing a run record: one concatenation and SET ... PX",
+     "redis.call('SET', KEYS[1], '{ \"token\":\"' .. ARGV[2] .. '\",\"fence\":\"1\"}', 'PX', 60000) return 1",
+     _HOLDER),
+    ("general path: cjson.decode of a run record", "local r = cjson.decode(ARGV[2]) return 1", _RUNNING),
+    ("general path: cjson.encode and SET of a run record",
+     "local r = cjson.decode(ARGV[2]) redis.call('SET', KEYS[1], cjson.encode(r), 'PX', 60000) return 1",
+     _RUNNING),
+    ("general path: making the Lua helpers ACQUIRE uses (closures made on every call)",
+     _ACQUIRE_HELPERS + "return 1", _RUNNING),
 ]
 
 
-def server_breakdown(server: Server, namespace: str) -> str:
+_PART_CALL = "\x1f".join(["tok" + "2" * 32, "30000", "300000", "330000", "", "", "task-1"])
+
+
+def _part_instructions(server: CallgrindServer, namespace: str, calls: int = 300) -> dict[str, int]:
+    """redis-server instructions per EVALSHA of each part of a lease script, run alone (keyed
+    ``part:<label>``): the steady counterpart of :func:`server_breakdown`'s microseconds."""
+    client = redis.Redis.from_url(server.url)
+    key = f"{namespace}:{{breakdown}}:run"
+    client.set(key, _RUNNING)
+    counts: dict[str, int] = {}
+    try:
+        for label, source, arg in _PARTS:
+            sha = client.script_load(source)
+            for _ in range(50):
+                client.evalsha(sha, 1, key, _PART_CALL, arg)
+            counts[f"part:{label}"] = server.instructions(
+                lambda sha=sha, arg=arg: [client.evalsha(sha, 1, key, _PART_CALL, arg) for _ in range(calls)]
+            ) // calls
+    finally:
+        client.delete(key)
+        client.close()
+    return counts
+
+
+def server_breakdown(server: Server, namespace: str, instructions: dict[str, int] | None = None) -> str:
     """Microseconds of server time per EVALSHA for each part of a lease script, timed alone, and
-    the whole ACQUIRE and RELEASE of an uncontended pair: where the scripts' time goes."""
+    the server's instructions for it when counted: where the scripts' time goes, on their plain
+    path and on the general one."""
     admin = server.admin
     key = f"{namespace}:{{breakdown}}:run"
-    record = ('{"task_id":"' + uuid.uuid4().hex + '","hostname":"celery@host","pid":"1234",'
-              '"task_name":"proj.tasks.sync","token":"' + uuid.uuid4().hex + '","fence":"1795446547423730",'
-              '"since":"1795446547423","deadline":"1795446577423","state":"running"}')
-    admin.set(key, record)
-    call = "\x1f".join(["tok" + uuid.uuid4().hex, "30000", "300000", "1", "", "", "task-1", "x", "y"])
+    admin.set(key, _RUNNING)
     rows = []
-    for label, source in _PARTS:
+    for label, source, arg in _PARTS:
         sha = admin.script_load(source)
         for _ in range(200):
-            admin.evalsha(sha, 1, key, call, record)
+            admin.evalsha(sha, 1, key, _PART_CALL, arg)
         admin.config_resetstat()
         for _ in range(3000):
-            admin.evalsha(sha, 1, key, call, record)
+            admin.evalsha(sha, 1, key, _PART_CALL, arg)
         usec = float(admin.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
-        rows.append(f"| {label} | {usec:.2f} µs |")
+        counted = (instructions or {}).get(f"part:{label}")
+        rows.append(f"| {label} | {usec:.2f} µs | {'—' if counted is None else f'{counted:,}'} |")
     admin.delete(key)
-    return "\n".join(["| part of a lease script, timed alone | server time per call |", "|---|---:|", *rows])
+    return "\n".join(["| part of a lease script, run alone | server time per call | server instructions per "
+                      "call (callgrind) |", "|---|---:|---:|", *rows])
 
 
 def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_docs: bool = False) -> None:
@@ -677,7 +726,7 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
         server_instructions = server_instructions_per_pair() if callgrind else {}
         report = table(ours_results, theirs_results, hold_rate, seconds, instructions, ratios, hold_ratios,
                        server_instructions)
-        breakdown = server_breakdown(server, namespace)
+        breakdown = server_breakdown(server, namespace, server_instructions)
         notes = (
             "Verdicts are for celery_singleflight; redis-py Lock is the baseline, measured in the same "
             f"run in {max(2, round(seconds / SLICE))} alternating slices; a ratio is the median of the "
@@ -688,12 +737,13 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
             "measured interleaved with the pairs above."
         )
         breakdown_note = (
-            "Where a script's server time goes: each row is one part timed alone, as its own script "
+            "Where a script's server time goes: each row is one part run alone, as its own script "
             "(so each includes the empty script's cost; a lease script's parts add up less one such "
-            "cost per part). An "
-            "uncontended pair runs two scripts, each one TIME, one GET + decode, one encode + SET and "
-            "the unpacking, which redis-py's Lock does not do: it records no holder, fence, status "
-            "or outcome."
+            "cost per part). The microseconds move from run to run on a shared machine; the "
+            "instruction counts do not. An uncontended pair of a plain run takes the plain path of both "
+            "scripts: each unpacks its call, does one GET, one TIME and one SET, and reads the run record as "
+            "text; no helper is made and no JSON is decoded or encoded (the general path's rows). "
+            "redis-py's Lock does none of it: it records no holder, fence, status or outcome."
         )
         print()
         print(report)

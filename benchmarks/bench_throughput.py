@@ -398,22 +398,25 @@ def instructions_table(counted: dict[str, tuple[int, int]]) -> str:
 
 def summary_table(variants: Sequence[Variant]) -> str:
     baseline = next(v for v in variants if v.name == "plain")
+    floor = next((v for v in variants if v.name == "two_pings" and v.runs), None)
     lines = [
         "| variant | rounds | tasks/s median | min - max | ratio to plain (paired median; per round) "
-        "| dispatch msgs/s median (ratio) | budget | verdict |",
-        "|---|---:|---:|---:|---|---:|---|---|",
+        "| ratio to the 2-PING floor (paired median) | dispatch msgs/s median (ratio) | budget | verdict |",
+        "|---|---:|---:|---:|---|---:|---:|---|---|",
     ]
     for v in variants:
         if not v.available:
-            lines.append(f"| {LABELS[v.name]} | 0 | {v.note} | | | | | |")
+            lines.append(f"| {LABELS[v.name]} | 0 | {v.note} | | | | | | |")
             continue
         if not v.runs:
-            lines.append(f"| {LABELS[v.name]} | 0 | n/a (failed) | | | | | |")
+            lines.append(f"| {LABELS[v.name]} | 0 | n/a (failed) | | | | | | |")
             continue
         tps = [m.tasks_per_s for m in v.runs]
         disp = [m.dispatch_per_s for m in v.runs]
         got = median_ratio(v, baseline, "tasks_per_s")
         dgot = median_ratio(v, baseline, "dispatch_per_s")
+        fgot = median_ratio(v, floor, "tasks_per_s") if floor and v.name != "two_pings" else None
+        floor_text = "—" if fgot is None else f"{fgot[0]:.3f}"
         if v.name == "plain":
             ratio_text, dratio_text = "1 (baseline)", ""
         else:
@@ -426,10 +429,32 @@ def summary_table(variants: Sequence[Variant]) -> str:
             budget, verdict = "—", ("baseline" if v.name == "plain" else "comparison")
         lines.append(
             f"| {LABELS[v.name]} | {len(v.runs)} | {_rate(statistics.median(tps))} | "
-            f"{_rate(min(tps))} - {_rate(max(tps))} | {ratio_text} | "
+            f"{_rate(min(tps))} - {_rate(max(tps))} | {ratio_text} | {floor_text} | "
             f"{_rate(statistics.median(disp))}{dratio_text} | {budget} | {verdict} |"
         )
     return "\n".join(lines)
+
+
+def floor_sentence(variants: Sequence[Variant]) -> str:
+    """What the machine's two round trips take of plain Celery's throughput (the 2-PING floor,
+    which no 2-round-trip lease can beat), and what each lock in the worker takes on top."""
+    named = {v.name: v for v in variants if v.runs}
+    if not {"plain", "two_pings", "singleflight"} <= named.keys():
+        return ""
+    plain, floor = named["plain"], named["two_pings"]
+    floor_ratio = median_ratio(floor, plain, "tasks_per_s")
+    ours = median_ratio(named["singleflight"], floor, "tasks_per_s")
+    lock = median_ratio(named["redis_lock"], floor, "tasks_per_s") if "redis_lock" in named else None
+    if floor_ratio is None or ours is None:
+        return ""
+    text = (f"The 2-PING floor (two round trips to the lease Redis and nothing else) reached "
+            f"{floor_ratio[0]:.3f} of plain Celery's tasks/s (paired median; per round "
+            f"{min(floor_ratio[1]):.3f} to {max(floor_ratio[1]):.3f}): on this machine the round trips "
+            f"alone take {1 - floor_ratio[0]:.1%} of the tasks/s, against the {1 - BUDGET_RATIO:.0%} the "
+            f"budget allows in all. SingleFlightTask reached {ours[0]:.3f} of the floor")
+    if lock is not None:
+        text += f", a plain task inside redis-py's `Lock` {lock[0]:.3f}"
+    return text + "."
 
 
 def rounds_table(variants: Sequence[Variant]) -> str:
@@ -522,6 +547,7 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         ta.app.pool.force_close_all()
 
     summary, cpu, per_round = summary_table(variants), cpu_table(variants), rounds_table(variants)
+    floor_text = floor_sentence(variants)
     instructions = ""
     if args.callgrind:
         print("instructions per task under callgrind (a few minutes):", flush=True)
@@ -542,6 +568,9 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     print()
     print(summary)
     print()
+    if floor_text:
+        print(floor_text)
+        print()
     print("CPU per task (steadier than wall-clock rates on a shared machine):")
     print()
     print(cpu)
@@ -575,7 +604,7 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
             f"{args.rounds}{' --callgrind' if args.callgrind else ''}` (private redis-server "
             f"{server_version}; `celery worker --pool prefork "
             f"--concurrency {CONCURRENCY}`, a fresh one per measurement). Measured {machine()}.",
-            heading, summary, "CPU per task:", cpu, chart, instructions, notes,
+            heading, summary, floor_text, "CPU per task:", cpu, chart, instructions, notes,
             "<details><summary>Per measurement</summary>", per_round, "</details>",
         ])))
     print(f"total time {time.monotonic() - started:.0f} s")
