@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -67,7 +68,8 @@ def test_flower_sees_debounced_and_throttled_runs(
     app = timeapp.app
     state = app.events.State()
     seen: dict[str, set[str]] = {}
-    stop, ready = threading.Event(), threading.Event()
+    ready = threading.Event()
+    receivers: list[Any] = []
 
     def listen() -> None:
         def on_event(event: dict[str, object]) -> None:
@@ -78,10 +80,11 @@ def test_flower_sees_debounced_and_throttled_runs(
 
         with app.connection_for_read() as conn:
             receiver = app.events.Receiver(conn, handlers={"*": on_event})
-            for _ in receiver.itercapture(limit=None, timeout=0.5, wakeup=False):
+            receivers.append(receiver)
+            # no timeout: a quiet second between events must not end the listening (with one,
+            # kombu raises a timeout in this thread); it looks at should_stop once a second
+            for _ in receiver.itercapture(limit=None, timeout=None, wakeup=False):
                 ready.set()  # the first step: its queue is bound, so no event is missed from now
-                if stop.is_set():
-                    break
 
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
@@ -93,7 +96,9 @@ def test_flower_sees_debounced_and_throttled_runs(
     paced = [timeapp.paced.apply_async((key, n), queue=queue) for n in range(2)]
     assert leader.get(timeout=20) == 2 and sorted(r.get(timeout=20) for r in paced) == [0, 1]
     time.sleep(1.0)  # the last events reach the receiver
-    stop.set()
+    receivers[0].should_stop = True
+    thread.join(5)
+    assert not thread.is_alive()
     assert "DEBOUNCED" in seen.get(leader.id, set()), seen
     assert any("RETRY" in seen.get(r.id, set()) for r in paced), seen
     assert state.tasks[leader.id].state == "SUCCESS"
