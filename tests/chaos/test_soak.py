@@ -82,6 +82,8 @@ def find_stuck(chaos: ModuleType, stuck: dict[int, dict[str, Any]]) -> None:
             os.kill(pid, signal.SIGUSR2)
 
 
+#: how long before / after a whole-worker kill a message may be handed to that worker and lost
+BEFORE_KILL, AFTER_KILL = 2.0, 0.5
 LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): [^\]]*\] (.*)$")
 
 
@@ -93,13 +95,16 @@ def in_flight_at_kill(
     With the Redis broker, a consumer's BRPOP takes the message off the queue, and kombu records
     it as unacknowledged (so that it can be delivered again) only once the worker has read the
     reply. A message that is published shortly before the whole worker is killed can be handed to
-    that worker and be gone with it: no log line of any worker ever says it was received. That is
-    the broker's loss, not the lease's; every other pending task counts as lost.
+    that worker and be gone with it: no log line of any worker ever says it was received. So can
+    one published just after the kill: the dead worker's BRPOP stays blocked on the server until
+    the server's event loop reads the closed connection, and a message pushed first is written to
+    the dead socket (seen once: sent 3 ms after the kill returned, on a loaded machine). That is the
+    broker's loss, not the lease's; every other pending task counts as lost.
 
     A pending task is explained that way when its last event (sent by the test, or re-sent by a
     worker: "retry" / "will be retried") came less than two seconds before a whole-worker kill (a
-    busy worker's main process may read its socket late) and no worker logged anything about it
-    afterwards.
+    busy worker's main process may read its socket late) or less than half a second after it, and
+    no worker logged anything about it afterwards.
     """
     events: dict[str, list[tuple[float, str]]] = {task_id: [] for task_id in pending}
     for log in logs:
@@ -116,9 +121,26 @@ def in_flight_at_kill(
         timeline = sorted([(sent_at[task_id], "sent"), *events[task_id]])
         when, what = timeline[-1]
         resent = what == "sent" or " retry: " in what or "will be retried" in what
-        if resent and any(0 <= kill - when < 2.0 for kill in kills):
+        if resent and any(-AFTER_KILL <= kill - when < BEFORE_KILL for kill in kills):
             explained.append(task_id)
     return explained
+
+
+def lost_summary(lost: list[str], diagnosis: dict[str, Any], kills: list[float]) -> str:
+    """What tells a lost task apart, on one line per task: its policy and key, when it was sent
+    relative to the whole-worker kill, how often it reached a pool process and the last worker log
+    line naming it."""
+    about = {p["id"]: p for p in diagnosis["pending"]}
+    lines = [f"{len(lost)} lost"]
+    for task_id in lost[:5]:
+        p = about.get(task_id)
+        if p is None:
+            lines.append(task_id)
+            continue
+        after_kill = [round(p["sent_at"] - k, 3) for k in kills]
+        lines.append(f"{task_id} {p['policy_key']} sent {after_kill} s after the kill, "
+                     f"{len(p['deliveries'])} deliveries, last log: {(p['log'] or ['none'])[-1][:200]}")
+    return "\n".join(lines)
 
 
 @pytest.mark.timeout(300)
@@ -265,7 +287,7 @@ def test_soak_kills_overlaps_losses_and_leftovers(
                      "log": [line for w in workers.started for line in w.log().splitlines() if i in line],
                      "deliveries": deliveries(chaos, i),
                      "runs_of_key": [r for r in all_runs if r["key"] == key_of[i][1]][-4:]}
-                    for i in pending[:5]],
+                    for i in [*unexplained, *in_flight][:5]],  # the unexplained first
         "deaths": deaths,
         "stuck": stuck,
         "stacks": {p.name: p.read_text() for p in stacks.iterdir() if p.stem.isdigit()
@@ -273,7 +295,10 @@ def test_soak_kills_overlaps_losses_and_leftovers(
     }
     (tmp_path / "diagnosis.json").write_text(json.dumps(diagnosis, indent=2, default=str))
     assert live_overlaps == [] and offline_overlaps == [], diagnosis
-    assert unexplained == [], f"tasks never reached a terminal state: {diagnosis}"
+    if unexplained:  # one short message: the end of a long CI log is what gets read
+        summary = lost_summary(unexplained, diagnosis, whole_killed_at)
+        pytest.fail(f"tasks never reached a terminal state: {summary} (all of it: {tmp_path}/diagnosis.json)",
+                    pytrace=False)
     assert len(in_flight) <= 3 * kills["whole_worker"]
     assert set(failed) <= EXPLAINED, f"unexplained failures: {failed}"
     assert still_held == [], f"keys still held one TTL after the end: {still_held[:5]}"
