@@ -618,9 +618,8 @@ _RUNNING = ('{ "token":"' + _TOKEN + '","fence":"1795446547423730","since":"1795
             '"deadline":"1795446577423","state":"running",' + _HOLDER + "}")
 _RELEASED = ('{ "rt":"' + _TOKEN + '","fence":"1795446547423730","outcome":"succeeded",' + _HOLDER +
              ',"since":"1795446547423","state":"succeeded","ended":"1795446547424","updated":"1795446547424"}')
-#: the Lua helpers ACQUIRE's general path makes (between its plain path and its body)
-_ACQUIRE_HELPERS = scripts.ACQUIRE[len(scripts._ACQUIRE_PLAIN):
-                                   scripts.ACQUIRE.index("\nttl = tonumber(ttl)\n")]
+#: the Lua helpers ACQUIRE's general path makes (between its plain path and its general body)
+_ACQUIRE_HELPERS = scripts.ACQUIRE[len(scripts._ACQUIRE_PLAIN):-len(scripts._ACQUIRE_GENERAL)]
 
 #: parts of a lease script, each timed alone inside Redis (INFO commandstats, EVALSHA usec_per_call):
 #: (label, script, its ARGV[2]); ARGV[1] is a packed call

@@ -316,7 +316,7 @@ if n == 1 and handoff == '' and earlier == '' then
 end
 """
 
-ACQUIRE = _script(_COMMON, _HAND_OFF, """
+_ACQUIRE_GENERAL = """
 ttl = tonumber(ttl)
 local recs = {decode(first)}
 for i = 2, n do
@@ -428,7 +428,9 @@ redis.call('SET', KEYS[slot], open .. '"token":"' .. token .. '","fence":"' .. f
   since .. '","deadline":"' .. num(now + ttl) .. '","state":"running",' .. rt .. ARGV[2] .. extra .. '}',
   'PX', px)
 return string.format('%s:%s:%d:%s', fence, since, slot - 1, adopting and prev and prev.sup_by or '')
-""", plain=_ACQUIRE_PLAIN)
+"""
+
+ACQUIRE = _script(_COMMON, _HAND_OFF, _ACQUIRE_GENERAL, plain=_ACQUIRE_PLAIN)
 
 # Shared by RELEASE and FORCE_RELEASE.
 _ENDING = """
@@ -542,7 +544,7 @@ if raw and not clear and not string.find(outcome, '[%c"\\\\]') then
 end
 """
 
-RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, """
+_RELEASE_GENERAL = """
 local r = decode(raw)
 if not (r and r.token == token) then
   if r and (r.rt == token or (r.reserved and r.by == token)) then
@@ -626,7 +628,9 @@ if #out == 2 then
   return 1 -- nothing handed on, nobody joined: the cheapest reply to read
 end
 return out
-""", plain=_RELEASE_PLAIN)
+"""
+
+RELEASE = _script(_COMMON, _HAND_OFF, _ENDING, _RELEASE_GENERAL, plain=_RELEASE_PLAIN)
 
 RENEW_MANY = _script(_COMMON, """
 -- KEYS[2i-1] - run record of lease i
