@@ -10,6 +10,7 @@
     │   └── Superseded          (a newer run of the key took over: ``on_duplicate="supersede"``)
     ├── NotInsideRun            (lease/progress used outside a SingleFlightTask run)
     ├── ProgressError           (a progress() call with bad values; also a ValueError)
+    ├── ProtocolMismatch        (a key's record was written by another protocol version)
     ├── RedisUnavailable        (Redis could not be reached and the task failed closed)
     └── Throttled               (the ``RETRY`` meta of a run over its key_rate_limit: not a failure)
 
@@ -26,6 +27,7 @@ __all__ = [
     "LockHeld",
     "NotInsideRun",
     "ProgressError",
+    "ProtocolMismatch",
     "QueueFull",
     "RedisUnavailable",
     "SingleFlightError",
@@ -119,6 +121,25 @@ class NotInsideRun(SingleFlightError):
 
 class ProgressError(SingleFlightError, ValueError):
     """``progress()`` was given a value it cannot record; the message names it."""
+
+
+class ProtocolMismatch(SingleFlightError):
+    """A run record of ``key`` was written by protocol version ``found``, which this library
+    (version ``ours``) cannot read: a worker of another release holds or held the key. The run
+    does not go ahead unguarded; a task is re-sent as under ``fail_closed``."""
+
+    def __init__(self, key: str, found: str = "", ours: str = "") -> None:
+        super().__init__(key, found, ours)
+        self.key = key
+        self.found = found
+        self.ours = ours
+
+    def __str__(self) -> str:
+        return (
+            f"key {self.key!r}: its run record was written by protocol version {self.found}, and this"
+            f" worker speaks version {self.ours}; stop the workers of the other version (or let them"
+            " finish) before this one takes the key"
+        )
 
 
 class RedisUnavailable(SingleFlightError):

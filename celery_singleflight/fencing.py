@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import re
 import sys
-import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import redis
-from redis.commands.core import Script
 
 from .errors import SingleFlightError
+from .protocol import fences
 
 __all__ = [
     # errors
@@ -86,32 +84,8 @@ def _check_fence(fence: Any) -> int:
 # Redis
 # --------------------------------------------------------------------------------------------
 
-FENCED_SET = """
--- KEYS[1] - the fenced value (hash: 'value', 'fence')
--- ARGV[1] - the value to store
--- ARGV[2] - the writer's fence: a non-negative decimal integer without leading zeros
--- ARGV[3] - TTL of the value, milliseconds ('' for none: like SET, an earlier TTL is removed)
--- return {1, fence} if written (the stored fence was older, equal or absent),
---        {0, stored fence} if the stored fence is newer (nothing is written)
-local function older(a, b)
-  -- compared as decimal strings: Lua numbers are doubles and lose digits past 2^53
-  if #a ~= #b then
-    return #a < #b
-  end
-  return a < b
-end
-local stored = redis.call('HGET', KEYS[1], 'fence')
-if stored and older(ARGV[2], stored) then
-  return {0, stored}
-end
-redis.call('HSET', KEYS[1], 'value', ARGV[1], 'fence', ARGV[2])
-if ARGV[3] == '' then
-  redis.call('PERSIST', KEYS[1])
-else
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-end
-return {1, ARGV[2]}
-"""
+#: the script of :func:`fenced_set` (Lua source)
+FENCED_SET = fences.FENCED_SET.source
 
 
 class FencedValue(NamedTuple):
@@ -122,20 +96,6 @@ class FencedValue(NamedTuple):
 
     value: bytes | str
     fence: int
-
-
-# One registered script per client, as LeaseStore registers its own once: the SHA is computed
-# once and redis-py reloads the script by itself after a Redis restart (NOSCRIPT).
-_scripts: weakref.WeakKeyDictionary[redis.Redis, Script] = weakref.WeakKeyDictionary()
-_scripts_guard = threading.Lock()
-
-
-def _fenced_set_script(client: redis.Redis) -> Script:
-    with _scripts_guard:
-        script = _scripts.get(client)
-        if script is None:
-            script = _scripts[client] = client.register_script(FENCED_SET)
-        return script
 
 
 def fenced_set(
@@ -160,21 +120,19 @@ def fenced_set(
         raise TypeError("fenced_set needs the reply at once: pass a client, not a pipeline")
     if ttl is not None and not ttl > 0:
         raise ValueError(f"ttl must be more than zero seconds (or None for no expiry), not {ttl!r}")
-    ttl_ms = "" if ttl is None else str(max(1, int(ttl * 1000)))
-    reply = _fenced_set_script(client)(keys=[key], args=[value, str(fence), ttl_ms], client=client)
-    if int(reply[0]) == 1:
+    ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
+    written, stored = fences.fenced_set(client, key, value, fence, ttl_ms)
+    if written:
         return True
     if check:
-        raise StaleFence(key, fence, int(reply[1]))
+        raise StaleFence(key, fence, stored)
     return False
 
 
 def fenced_get(client: redis.Redis, key: str) -> FencedValue | None:
     """The value at ``key`` and the fence it was written with; None if nothing is stored."""
-    value, fence = client.hmget(key, ["value", "fence"])
-    if value is None:
-        return None
-    return FencedValue(value, int(fence) if fence is not None else 0)
+    found = fences.fenced_get(client, key)
+    return None if found is None else FencedValue(*found)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 256
-_DIGEST_MARK = "~sha256v1~"
+DIGEST_MARK = "~sha256v1~"
 _DIGEST_KEEP = 150
 _PLACEHOLDER = re.compile(r"<([^<>]*)>")
 _NAME = re.compile(r"^(?:@task|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)$")
@@ -154,13 +154,13 @@ def digest_key(key: str) -> str:
     A short key that already carries the digest mark is digested too, so no key can pose as
     the digest of another.
     """
-    if len(key) <= MAX_KEY_LENGTH and _DIGEST_MARK not in key:
+    if len(key) <= MAX_KEY_LENGTH and DIGEST_MARK not in key:
         return key
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{key[:_DIGEST_KEEP]}{_DIGEST_MARK}{digest}"
+    return f"{key[:_DIGEST_KEEP]}{DIGEST_MARK}{digest}"
 
 
-_DIGEST_FORM = re.compile(rf"^.{{{_DIGEST_KEEP}}}{re.escape(_DIGEST_MARK)}[0-9a-f]{{64}}$", re.S)
+_DIGEST_FORM = re.compile(rf"^.{{{_DIGEST_KEEP}}}{re.escape(DIGEST_MARK)}[0-9a-f]{{64}}$", re.S)
 
 
 def stored_key(key: str) -> str:

@@ -1,7 +1,7 @@
-"""What the lease store answers: plain data, carried from a script's reply to whoever acts on it.
+"""What the protocol answers: plain data, carried from a script's reply to whoever acts on it.
 
 A release (and an acquire or a sweep that hands a key on) returns a :class:`Settlement`: what
-must happen next. Exactly one function carries it out (:func:`celery_singleflight.settle.settle`),
+must happen next. Exactly one function carries it out (:func:`celery_singleflight.run.settle.settle`),
 whichever path released the key.
 """
 
@@ -60,7 +60,6 @@ class Acquired:
     fence: int
     since: float
     slot: int = 0
-    superseded_by: str = ""  # a newer run superseded this one before it started (``supersede``)
     acquired = True
 
 
@@ -69,7 +68,7 @@ class Held:
     """Someone else holds the key: their task id and the lease time they have left.
 
     ``handoff`` is set when the key was free but runs were parked: the first of them got the key
-    and its message (this) must be sent to the broker; :func:`~.settle.settle` does it.
+    and its message (this) must be sent to the broker; :func:`~..run.settle.settle` does it.
     """
 
     holder: str

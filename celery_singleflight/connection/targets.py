@@ -30,8 +30,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from .errors import ConfigurationError
-from .option_names import closest
+from ..errors import ConfigurationError
+from ..spelling import closest
 
 __all__ = [
     "CLUSTER_SCHEMES", "SENTINEL_SCHEME", "STANDALONE_SCHEMES", "TRANSPORT_OPTIONS", "RedisTarget",

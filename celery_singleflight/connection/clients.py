@@ -4,7 +4,7 @@ Clients are not shared across ``fork()``: a prefork child that inherited its par
 would interleave replies with it, so the cache is keyed by PID as well.
 
 redis-py sends a command again when its reply timed out or its connection dropped (``retry``
-below); every lease script is safe to run twice (see :mod:`.scripts`), so that is allowed.
+below); every lease script is safe to run twice (see :mod:`..protocol`), so that is allowed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .clients import RedisTarget, build_client, redacted_url, target_from_settings
+from .. import constants
+from .targets import RedisTarget, build_client, redacted_url, target_from_settings
 
 __all__ = [
     "UNAVAILABLE_STATES",
@@ -102,7 +103,7 @@ _lock = threading.Lock()
 
 def redis_client(target: str | RedisTarget) -> Any:
     """The shared client of this process for ``target`` (a URL, or the settings read by
-    :func:`~.clients.target_from_settings`), with short timeouts so an outage is seen in seconds.
+    :func:`~.targets.target_from_settings`), with short timeouts so an outage is seen in seconds.
 
     A :class:`redis.Redis` for standalone and Sentinel (the master, found through the sentinels
     again after a failover), a :class:`redis.cluster.RedisCluster` for a Cluster, or whatever
@@ -117,12 +118,14 @@ def redis_client(target: str | RedisTarget) -> Any:
                 if isinstance(target, str):
                     target = target_from_settings(target)
                 common: dict[str, Any] = {
-                    "socket_connect_timeout": 2.0,
-                    "socket_timeout": 5.0,
-                    "retry": AttemptClock(ExponentialBackoff(cap=0.5, base=0.05), 2),
+                    "socket_connect_timeout": constants.CONNECT_TIMEOUT,
+                    "socket_timeout": constants.SOCKET_TIMEOUT,
+                    "retry": AttemptClock(ExponentialBackoff(cap=constants.CLIENT_BACKOFF_CAP,
+                                                             base=constants.CLIENT_BACKOFF_BASE),
+                                          constants.CLIENT_RETRIES),
                 }
                 if not target.cluster:
-                    common["health_check_interval"] = 30
+                    common["health_check_interval"] = constants.CLIENT_HEALTH_CHECK
                 client = _clients[key] = build_client(target, common)
     return client
 

@@ -1,76 +1,48 @@
-"""What a Redis Cluster changes: renewals grouped by hash slot, one pipelined batch per node.
+"""What a Redis Cluster changes: a call over many locks goes one script call per hash slot,
+pipelined per node.
 
-Every script of the library touches the keys of one lock, which share a hash slot (the braces of
-:mod:`.layout`), so a Cluster routes each call to the node of its slot. Only the heartbeat's
-renewal spans many locks; on a Cluster it becomes one ``RENEW_MANY`` call per slot, pipelined:
-redis-py's cluster pipeline writes the calls of every node before it reads the replies, so a
-renewal of any number of leases costs one round trip per node, in parallel. A ``MOVED``/``ASK``
-(resharding, a failover) is followed by the pipeline itself and never read as a lost lease.
+Every script of the protocol touches the keys of one lock, which share a hash slot (the braces
+of :mod:`..protocol.layout`), so a Cluster routes each call to the node of its slot. Only a call
+that spans many locks (the heartbeat's renewal) must be split: one call per slot, pipelined.
+redis-py's cluster pipeline would do; :func:`call_per_slot` writes the calls of every node
+before it reads the replies, so any number of slots costs one round trip per node, in
+parallel. A ``MOVED``/``ASK`` (resharding, a failover) is followed through the cluster client and
+never read as an answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from redis.commands.core import Script
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
 
-__all__ = ["clocks_ms", "renew_by_slot", "slot_groups"]
+__all__ = ["call_per_slot", "clocks_ms", "slot_of"]
 
 
-class _Renewed(Protocol):
-    key: str
-    token: str
-    slot: int
-    ttl: float
-
-    @property
-    def store(self) -> Any: ...
+def slot_of(key: str) -> int:
+    """The hash slot of ``key``."""
+    return int(key_slot(key.encode()))
 
 
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
-
-
-def slot_groups(leases: Sequence[_Renewed]) -> dict[int, list[int]]:
-    """The indexes of ``leases`` by the hash slot of their keys."""
-    groups: dict[int, list[int]] = {}
-    for i, lease in enumerate(leases):
-        run = lease.store.layout.run(lease.key, lease.slot)
-        groups.setdefault(key_slot(run.encode()), []).append(i)
-    return groups
-
-
-def renew_by_slot(
-    client: Any, script: Script, leases: Sequence[_Renewed], keep_ms: int
-) -> tuple[list[int], int]:
-    """Renew ``leases`` on a Cluster: one ``RENEW_MANY`` per hash slot, the calls of each node
-    written on one of its connections before any reply is read (one round trip per node, all
-    nodes at once). Returns the results and the round trips made.
+def call_per_slot(
+    client: Any, script: Script, calls: Mapping[int, tuple[Sequence[Any], Sequence[Any]]]
+) -> tuple[dict[int, Any], int]:
+    """Run ``script`` once per hash slot (``calls``: slot -> (keys, args)) on a Cluster, the
+    calls of each node written on one of its connections before any reply is read (one round
+    trip per node, all nodes at once). Returns the reply per slot and the round trips made.
 
     A call that meets a redirection (``MOVED``/``ASK`` while a slot moves, a failover), an
     unknown script or a broken connection is sent again through the cluster client, which
-    follows redirections and reloads scripts: a renewal is safe to run twice, and only a reply
-    from the node that owns the slot decides whether a lease is lost.
+    follows redirections and reloads scripts: only scripts that are safe to run twice are
+    called this way, and only a reply from the node that owns the slot counts.
     """
-    groups = slot_groups(leases)
-    calls: dict[int, tuple[Any, ...]] = {}
     by_node: dict[str, tuple[Any, list[int]]] = {}
-    for slot, indexes in groups.items():
-        keys: list[str] = []
-        args: list[Any] = []
-        for i in indexes:
-            lease = leases[i]
-            layout = lease.store.layout
-            keys += [layout.run(lease.key, lease.slot), layout.history(lease.key, lease.slot)]
-            args += [lease.token, _ms(lease.ttl)]
-        args.append(keep_ms)
-        calls[slot] = (keys, args)
+    for slot in calls:
         node = client.nodes_manager.get_node_from_slot(slot)
         by_node.setdefault(node.name, (node, []))[1].append(slot)
-
     replies: dict[int, Any] = {}
     round_trips = 0
     again: list[int] = []
@@ -91,15 +63,12 @@ def renew_by_slot(
     for slot in again:
         keys, args = calls[slot]
         replies[slot] = script(keys=keys, args=args, client=client)
-    out = [0] * len(leases)
-    for slot, indexes in groups.items():
-        for i, value in zip(indexes, replies[slot], strict=True):
-            out[i] = int(value)  # as RENEW_MANY answers: 1 ours, 2 ours but superseded, 0 gone
-    return out, round_trips + len(again)
+    return replies, round_trips + len(again)
 
 
 def _batch(
-    by_node: dict[str, tuple[Any, list[int]]], calls: dict[int, tuple[Any, ...]], sha: str,
+    by_node: dict[str, tuple[Any, list[int]]], calls: Mapping[int, tuple[Sequence[Any], Sequence[Any]]],
+    sha: str,
     replies: dict[int, Any], again: list[int],
 ) -> list[tuple[Any, list[int]]]:
     """Send every node its calls, then read the replies into ``replies``; slots to send again

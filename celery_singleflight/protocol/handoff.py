@@ -1,0 +1,211 @@
+"""The hand-off: duplicates that wait (``queue``, ``join``), the sweeper's resume of a key whose
+holder ended without handing it on, and an operator's force-release.
+
+A parked run waits in the key's FIFO with its re-sendable message; every held record is flagged
+``waiting``, so the holder's release reserves the slot for the first parked run (``reserved``,
+``by``) and hands its message back to be sent. The entry stays in the queue until the run adopts
+the slot, so a crash before the message is sent loses nothing: the key is also in the
+namespace's *waiting index*, due when the holder's lease would run out, and a worker's sweeper
+hands it on (``RESUME``). A joined run waits in the key's ``joined`` list for the holder's
+result; the release hands those messages back too (kept under the releasing token in
+``settled`` for a replay).
+
+A parked entry whose token starts with :data:`OWN_COPY` is an *own copy*: the broker delivered
+the holder's own run again (a visibility timeout). It waits at the front, beyond ``max_queued``,
+and is dropped when that run releases; it runs only if the run's lease ends without a release.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from .. import constants
+from .context import Feature, due_ms, ms, text
+from .fields import FLAG, PATTERNS, TEXT, Field, RecordBase, VersionReply, refuse_foreign
+from .layout import Part, duration
+from .lua import Replies, Script
+from .marks import ENQUEUED
+from .replies import Parked, Settlement
+
+__all__ = [
+    "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME", "SCRIPTS",
+    "SETTLED",
+    "WAITING", "ForceReleaseReply", "HandoffCalls", "HandoffFields", "JoinReply", "ParkReply", "ResumeReply",
+]
+
+#: handoff token prefix of the copy a turned-away redelivery parks behind its own run
+OWN_COPY = "own-"
+
+QUEUE = Part("queue", "list of `task id\\|handoff token`", "none (an empty list vanishes)",
+             "the `queue` policy's FIFO; an entry leaves only when its run adopts the key; also the copy of a"
+             " turned-away redelivery (token `own-…`, at the front)")
+PARKED = Part("parked", "hash: task id → message", "none (emptied with the queue)",
+              "the re-sendable messages of parked runs")
+JOINED = Part("joined", "list of messages", "none (emptied at the holder's end)",
+              "the `join` policy: runs waiting for the holder's result")
+SETTLED = Part("settled", "hash: token → joined messages", duration(constants.SETTLE_KEEP),
+               "joined runs handed to a release, kept so that a re-sent release answers the same")
+WAITING = Part("waiting", "sorted set: key → when to look (ms)", "none (entries leave when nothing waits)",
+               "keys with parked or joined runs, for the sweeper", index=True)
+PARTS = (QUEUE, PARKED, JOINED, SETTLED)
+
+
+class HandoffFields(RecordBase):
+    """The run record's fields of the hand-off."""
+
+    __slots__ = ()
+
+    reserved = Field(FLAG, "the slot is reserved for the parked run named by ``token``/``task_id``, which "
+                     "has not started yet", writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
+                     readers=("ops.keystatus", "policies.newest"))
+    by = Field(TEXT, "who made the reservation (a releasing token, a sweep's call id): a replay finds "
+               "it and answers with the same message",
+               writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
+    waiting = Field(FLAG, "runs wait in the key's queue: the release hands the key on",
+                    writers=("ACQUIRE", "RELEASE", "PARK", "RESUME", "FORCE_RELEASE", "COALESCE"),
+                    readers=())
+    joined = Field(FLAG, "runs joined this run: its release hands their messages back",
+                   writers=("ACQUIRE", "RELEASE", "JOIN", "RESUME", "FORCE_RELEASE"),
+                   readers=())
+    released_by = Field(TEXT, "who force-released the run (an operator)", writers=("FORCE_RELEASE",),
+                        readers=("ops.keystatus",))
+
+
+class ParkReply(Replies):
+    FREE = -1, "{FREE}: a slot is free (acquire again)"
+    QUEUE_FULL = -2, "{QUEUE_FULL, length}: ``max_queued`` runs wait already"
+    PARKED = 1, "{PARKED, position, ms until the first holder's lease runs out}"
+
+
+class JoinReply(Replies):
+    FREE = -1, "{FREE}: the key is free (acquire again)"
+    JOINED = 1, "{JOINED, runs joined, holder task id, ms until its lease runs out}"
+
+
+class ResumeReply(Replies):
+    NOTHING_WAITS = 0, "{NOTHING_WAITS}: no run is parked or joined"
+    ALL_HELD = 1, "{ALL_HELD, ms until a lease runs out}: look again then"
+    HANDED_ON = 2, "{HANDED_ON, reservation ms, message or '', orphaned joined runs...}"
+
+
+class ForceReleaseReply(Replies):
+    NOT_HELD = 0, "{NOT_HELD}: the slot was free (or held by another run than the one named)"
+    FORCE_RELEASED = 1, "{FORCE_RELEASED, released task id, its fence, message or '', joined runs...}"
+
+
+_LIBS = ("shared/common.lua", "handoff/handoff.lua")
+_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY}
+
+PARK = Script("PARK", "handoff/park.lua", _LIBS, replies=(ParkReply,), constants=_LUA)
+JOIN = Script("JOIN", "handoff/join.lua", _LIBS, replies=(JoinReply,), constants=_LUA)
+RESUME = Script("RESUME", "handoff/resume.lua", _LIBS, replies=(ResumeReply, VersionReply), constants=_LUA)
+FORCE_RELEASE = Script("FORCE_RELEASE", "handoff/force_release.lua", (*_LIBS, "lease/lease.lua"),
+                       replies=(ForceReleaseReply, VersionReply), constants=_LUA)
+SCRIPTS = (PARK, JOIN, RESUME, FORCE_RELEASE)
+
+
+def _settlement(reply: Any, first: int) -> Settlement:
+    return Settlement(True, text(reply[first]) or None, tuple(text(m) for m in reply[first + 1 :]))
+
+
+class HandoffCalls(Feature):
+    """The hand-off's calls."""
+
+    __slots__ = ()
+
+    def _waiting_due(self, key: str, seconds: float, *, earlier_only: bool = True) -> None:
+        """Enter ``key`` in the waiting index, due in ``seconds`` (only sooner than it is)."""
+        self.ctx.client.zadd(self.ctx.layout.index(WAITING), {key: due_ms(seconds)}, lt=earlier_only)
+
+    def park(self, key: str, task_id: str, handoff: str, message: str, max_queued: int | None,
+             slots: int = 1) -> Parked | int | None:
+        """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is
+        full, or None if a slot is free now (acquire again). The key is entered in the waiting
+        index, due when the holder's lease would run out."""
+        layout = self.ctx.layout
+        reply = self.ctx.script(PARK)(
+            keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key)],
+            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
+        )
+        code = int(reply[0])
+        if code == ParkReply.FREE:
+            return None
+        if code == ParkReply.QUEUE_FULL:
+            return int(reply[1])
+        ttl_left = int(reply[2]) / 1000.0
+        self._waiting_due(key, ttl_left + constants.RESUME_GRACE)
+        return Parked(position=int(reply[1]), holder_ttl_left=ttl_left)
+
+    def join(self, key: str, message: str) -> tuple[int, str] | None:
+        """Join the holder's run (it will answer with its result): (joined count, holder id),
+        or None if the key is free now (acquire again). The key is entered in the waiting index,
+        so a holder that dies leaves its joined runs to the sweeper."""
+        layout = self.ctx.layout
+        reply = self.ctx.script(JOIN)(keys=[layout.run(key), layout.key(JOINED, key)], args=[message])
+        if int(reply[0]) == JoinReply.FREE:
+            return None
+        self._waiting_due(key, max(0, int(reply[3])) / 1000.0 + constants.RESUME_GRACE)
+        return int(reply[1]), text(reply[2])
+
+    def settled_joined(self, key: str, token: str) -> list[str]:
+        """The joined runs' messages that the release of ``token`` took (kept for a while, so that
+        a re-sent release answers the same; empty once that record is gone)."""
+        raw = self.ctx.client.hget(self.ctx.layout.key(SETTLED, key), token)
+        return [] if raw is None else [text(m) for m in json.loads(raw)]
+
+    def resume(self, key: str, ttl: float, slots: int = 1) -> Settlement | None:
+        """Look at one waiting key. If a slot is free (its holder ended without handing it on),
+        hand it to the first parked run and take the runs joined to a gone holder (the
+        settlement); plan the next look, or drop the key from the index when nothing waits."""
+        layout = self.ctx.layout
+        reply = self.ctx.script(RESUME)(
+            keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
+                  layout.key(JOINED, key), layout.key(SETTLED, key), layout.key(ENQUEUED, key)],
+            args=[ms(ttl), slots, uuid.uuid4().hex, self.ctx.keep_ms],
+        )
+        refuse_foreign(key, reply)
+        code = int(reply[0])
+        client, index = self.ctx.client, layout.index(WAITING)
+        if code == ResumeReply.NOTHING_WAITS:
+            client.zrem(index, key)
+            if client.llen(layout.key(QUEUE, key)) or client.llen(layout.key(JOINED, key)):
+                self._waiting_due(key, constants.RESUME_GRACE)  # arrived meanwhile
+            return None
+        self._waiting_due(key, int(reply[1]) / 1000.0 + constants.RESUME_GRACE, earlier_only=False)
+        if code != ResumeReply.HANDED_ON:
+            return None
+        return _settlement(reply, 2)
+
+    def due_waiting(self, limit: int = 100) -> list[str]:
+        """Keys of this namespace whose look is due."""
+        raw: list[Any] = self.ctx.client.zrangebyscore(self.ctx.layout.index(WAITING), "-inf", due_ms(0),
+                                                       start=0, num=limit)
+        return [text(k) for k in raw]
+
+    def queued(self, key: str) -> int:
+        """How many runs wait in the key's queue."""
+        return int(self.ctx.client.llen(self.ctx.layout.key(QUEUE, key)))
+
+    def force_release(
+        self, key: str, by: str, expected_holder: str = "", slot: int = 0, slots: int = 1, ttl: float = 30.0,
+        hand_on: bool = True,
+    ) -> tuple[str, int, Settlement] | None:
+        """Free one ``slot`` of ``key`` whoever holds it (an operator's decision): the released
+        task id, its fence and what the release hands on (a parked run to send, joined runs to
+        answer), which the caller must settle. ``hand_on=False`` (a caller without the app to
+        send messages) leaves both to the sweeper. None if it was not held (or, with
+        ``expected_holder``, held by another)."""
+        layout = self.ctx.layout
+        reply = self.ctx.script(FORCE_RELEASE)(
+            keys=[*layout.runs(key, slots), layout.history(key, slot), layout.key(QUEUE, key),
+                  layout.key(PARKED, key), layout.key(JOINED, key), layout.key(SETTLED, key)],
+            args=[by, self.ctx.keep_ms, self.ctx.history_length, expected_holder, slot + 1, slots, ms(ttl),
+                  "1" if hand_on else "0"],
+        )
+        refuse_foreign(key, reply)
+        if int(reply[0]) == ForceReleaseReply.NOT_HELD:
+            return None
+        return text(reply[1]), int(reply[2]), _settlement(reply, 3)
+

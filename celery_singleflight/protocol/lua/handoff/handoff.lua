@@ -1,0 +1,94 @@
+-- Helpers of the hand-off: a free slot goes to the first parked run; runs that joined a holder
+-- are handed to whoever ends it; a turned-away redelivery's own copy is dropped when its run ends.
+--
+-- Hand a free ``slot`` to the first parked run: the slot is reserved for it (its handoff token)
+-- until it starts and adopts it; its entry stays in the queue until then, so a crash before its
+-- message is sent loses nothing. ``recs``: the records of every slot; ``by``: who asks (it sends
+-- the message); ``mine``: the asking run's own entry, if it is parked: when its turn has come,
+-- nothing is handed on (false is returned) and it takes the slot itself; ``marker``: the enqueue
+-- marker, to forget a dead holder's. Returns the message to send, or false.
+local function hand_off(slot, n, recs, queue, parked, now, ttl, keep, by, mine, marker)
+  for _, entry in ipairs(redis.call('LRANGE', queue, 0, 99)) do
+    if entry == mine then
+      return false
+    end
+    local sep = string.find(entry, '|', 1, true)
+    local id, token = string.sub(entry, 1, sep - 1), string.sub(entry, sep + 1)
+    local busy = false
+    for i = 1, n do
+      local r = recs[i]
+      if i ~= slot and live(r, now) then
+        -- already reserved on another slot, or an own copy whose task id runs on another slot
+        if r.token == token or (is_own_copy(token) and r.task_id == id) then
+          busy = true
+        end
+      end
+    end
+    if not busy then
+      local msg = redis.call('HGET', parked, id)
+      if msg then
+        local prev = recs[slot]
+        local res = {v = PROTOCOL, token = token, task_id = id, reserved = '1', by = by, since = num(now),
+          deadline = num(now + ttl), state = 'handing-off', waiting = '1'}
+        if prev then
+          res.fence, res.lost, res.joined, res.rt = prev.fence, prev.lost, prev.joined, prev.rt
+          res.prev_task_id, res.prev_outcome = previous(prev, now)
+          if expired(prev, now) then
+            res.lost = add_lost(prev.lost, prev.fence)
+            forget_dead(marker, prev)
+          end
+        end
+        redis.call('SET', KEYS[slot], cjson.encode(res), 'PX', ttl + keep)
+        recs[slot] = res
+        return msg
+      end
+      redis.call('LREM', queue, 1, entry) -- an entry without its message cannot run
+    end
+  end
+  return false
+end
+-- a redelivery of run ``id`` parked a copy behind it (PARK, own copy): the run ended, so the copy
+-- must not run, unless it was already handed a slot (its message is on its way)
+local function drop_own_copy(id, queue, parked, recs, n, now)
+  if not id or id == '' or not redis.call('HGET', parked, id) then
+    return
+  end
+  local prefix = id .. '|' .. OWN_COPY
+  for _, entry in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+    if string.sub(entry, 1, #prefix) == prefix then
+      local token = string.sub(entry, #id + 2)
+      for i = 1, n do
+        if recs[i] and recs[i].token == token and live(recs[i], now) then
+          return
+        end
+      end
+      redis.call('LREM', queue, 1, entry)
+      redis.call('HDEL', parked, id)
+    end
+  end
+end
+-- the joined runs, handed to ``by`` (kept under its name for a replay)
+local function take_joined(joined, settled, by)
+  local messages = redis.call('LRANGE', joined, 0, -1)
+  if #messages > 0 then
+    redis.call('HSET', settled, by, cjson.encode(messages))
+    redis.call('PEXPIRE', settled, SETTLE_KEEP_MS)
+    redis.call('DEL', joined)
+  end
+  return messages
+end
+-- what an earlier call of ``by`` handed over (joined messages), for its replay
+local function settled_for(settled, by)
+  local raw = redis.call('HGET', settled, by)
+  if raw then
+    return cjson.decode(raw)
+  end
+  return {}
+end
+-- ``out`` with ``messages`` appended (a reply's list of joined runs)
+local function append(out, messages)
+  for _, m in ipairs(messages) do
+    table.insert(out, m)
+  end
+  return out
+end

@@ -1,0 +1,47 @@
+-- PARK: a duplicate waits in the key's FIFO (``queue``; protocol/handoff.py).
+-- KEYS[1..n] - the key's run records
+-- KEYS[n+1] - queue of parked runs
+-- KEYS[n+2] - parked messages
+-- ARGV[1] - the entry 'task id|handoff token'
+-- ARGV[2] - the message to send when it is its turn
+-- ARGV[3] - the most runs that may wait (-1: no limit)
+-- ARGV[4] - n, the number of slots
+-- An own copy (its token starts with OWN_COPY: a turned-away redelivery of the holder's own run)
+-- waits at the front, beyond any limit, and only runs if that run's lease ends without a release
+-- (RELEASE drops it); an entry already parked under its task id is kept as it is, so a second run
+-- of the same call parks nothing more.
+-- Every held record is flagged ``waiting``, so its release hands the key on.
+-- return {FREE} if a slot is free (acquire again), {QUEUE_FULL, length} if the queue is full,
+--        {PARKED, position, ms until the first holder's lease runs out} once parked
+local n = tonumber(ARGV[4])
+local queue, parked = KEYS[n + 1], KEYS[n + 2]
+local sep = string.find(ARGV[1], '|', 1, true)
+local id, own = string.sub(ARGV[1], 1, sep - 1), is_own_copy(string.sub(ARGV[1], sep + 1))
+local now = clock()
+local recs, left = all_held(n, now)
+if not recs then
+  return {FREE}
+end
+local length = redis.call('LLEN', queue)
+local position = own and 1 or length + 1
+if not redis.call('HGET', parked, id) then
+  if not own and tonumber(ARGV[3]) >= 0 and length >= tonumber(ARGV[3]) then
+    return {QUEUE_FULL, length}
+  end
+  if own then
+    redis.call('LPUSH', queue, ARGV[1])
+  else
+    redis.call('RPUSH', queue, ARGV[1])
+  end
+  redis.call('HSET', parked, id, ARGV[2])
+elseif not own then
+  local found = redis.call('LPOS', queue, ARGV[1])
+  position = found and found + 1 or length
+end
+for i = 1, n do
+  if not recs[i].waiting then
+    recs[i].waiting = '1'
+    redis.call('SET', KEYS[i], cjson.encode(recs[i]), 'KEEPTTL')
+  end
+end
+return {PARKED, position, left}

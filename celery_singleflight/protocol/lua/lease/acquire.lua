@@ -1,0 +1,105 @@
+-- ACQUIRE's general path: a record the plain path does not read, several slots, a parked run
+-- adopting the slot reserved for it, or an attempt whose reply was lost.
+-- ``keep`` stays a string: only a hand-off does sums with it (Lua converts it there)
+local keep, id = string.match(ARGV[1], ACQUIRE_REST)
+ttl = tonumber(ttl)
+local recs = records(n, 1, decode(first))
+local version = foreign(recs, n)
+if version then
+  return {FOREIGN, version}
+end
+local now, now_us = clock()
+local slot, waiting = nil, false
+for i = 1, n do
+  local r = recs[i]
+  -- this call ran before and its reply was lost: answer as it did, with the lease counted from
+  -- now (the caller starts its run only now; a reply held back long may find it run out)
+  if r and r.token == token then
+    if tonumber(r.deadline) < now + ttl then
+      r.deadline = num(now + ttl)
+      redis.call('SET', KEYS[i], cjson.encode(r), 'PX', px)
+    end
+    return r.fence .. ':' .. r.since .. ':' .. (i - 1)
+  end
+  if r and r.reserved and r.by == token then
+    local msg = redis.call('HGET', parked, r.task_id) or ''
+    return {HANDED_ON, r.task_id, math.max(tonumber(r.deadline) - now, 0), msg}
+  end
+  if r and r.waiting then
+    waiting = true
+  end
+end
+for i = 1, n do
+  local r = recs[i]
+  if r and r.token and ((handoff ~= '' and r.token == handoff and r.reserved)
+      or (earlier ~= '' and r.token == earlier)) then
+    slot = i -- the reservation made for this run, or this run's own earlier attempt
+    break
+  end
+end
+local adopting = slot ~= nil
+if not slot then
+  local holder, left
+  slot, holder, left = scan(recs, n, now)
+  if n > 1 and id ~= '' then
+    -- a task id already running on one slot (a redelivery) must not take another
+    for i = 1, n do
+      if live(recs[i], now) and recs[i].task_id == id then
+        return {HELD, id, tonumber(recs[i].deadline) - now}
+      end
+    end
+  end
+  if not slot then
+    return {HELD, holder, left}
+  end
+  if waiting then
+    local mine = handoff ~= '' and id .. '|' .. handoff
+    local msg = hand_off(slot, n, recs, queue, parked, now, ttl, keep, token, mine, marker)
+    if msg then
+      return {HANDED_ON, recs[slot].task_id, ttl, msg}
+    end
+    waiting = redis.call('LLEN', queue) > 0
+  end
+end
+if handoff ~= '' then
+  -- leaving the queue: this run's entry and message
+  redis.call('LREM', queue, 1, id .. '|' .. handoff)
+  redis.call('HDEL', parked, id)
+  waiting = redis.call('LLEN', queue) > 0
+end
+local prev = recs[slot]
+local fence = num(next_fence(recs, n, now_us))
+local extra, lost, carried = '', '', ''
+if prev then
+  local prev_id, prev_outcome = previous(prev, now)
+  if prev_id then
+    extra = ',"prev_task_id":' .. cjson.encode(prev_id) .. ',"prev_outcome":' .. cjson.encode(prev_outcome or '')
+  end
+  lost = prev.lost or ''
+  if expired(prev, now) and not adopting then
+    lost = add_lost(lost, prev.fence)
+    forget_dead(marker, prev)
+  end
+  if prev.joined then
+    extra = extra .. JOINED_FLAG
+  end
+  if adopting then
+    carried = superseded_on_the_way(prev)
+  end
+end
+if waiting then
+  extra = extra .. WAITING_FLAG
+end
+local since, deadline = num(now), num(now + ttl)
+-- The lease fields first, in the order of RUNNING_RECORD, then ``rt`` and ``lost`` if set, then
+-- the holder (its task id first). A plain run's record (nobody joined or waiting, not
+-- superseded) opens with PLAIN: only a record this line wrote (and RENEW kept) has it, and
+-- RELEASE may read it as text.
+local open = (prev and prev.joined or carried ~= '' or waiting) and '{' or PLAIN
+local rt = prev and prev.rt and prev.rt ~= '' and RT_FIELD(prev.rt) or ''
+if lost ~= '' then
+  rt = rt .. LOST_FIELD(lost)
+end
+redis.call('SET', KEYS[slot], RUNNING_RECORD(open, token, fence, since, deadline) .. rt .. ARGV[2] .. extra ..
+  carried .. '}', 'PX', px)
+return fence .. ':' .. since .. ':' .. (slot - 1)

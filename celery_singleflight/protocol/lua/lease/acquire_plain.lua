@@ -1,0 +1,51 @@
+-- ACQUIRE: take a free slot of the key, or learn who holds it (protocol/lease.py). One script
+-- per acquire: this plain path first, then the helpers it needs and the general path.
+-- KEYS[1..n] - the key's run records, one per slot (n = max_concurrency, usually 1; #KEYS - 3)
+-- KEYS[n+1]  - queue of parked runs (list of 'task id|handoff token')
+-- KEYS[n+2]  - parked messages (hash: task id -> message)
+-- KEYS[n+3]  - enqueue-time dedup marker (a dead holder's is removed)
+-- ARGV[1] - the call (ACQUIRE_CALL, protocol/lease.py), its fields separated by \31: the token
+--           unique to this execution; the lease TTL, ms; the record's expiry (PX: the TTL plus
+--           how long the record outlives its lease, sent ready); the handoff token this run was
+--           sent with ('' if it was never parked); the token of an earlier attempt whose reply
+--           never came ('' if none); then, for the general path only, how long the record
+--           outlives its lease (ms) and the holder's task id
+-- ARGV[2] - the holder's fields, JSON object members without braces
+-- return 'fence:since ms:slot' if acquired (one string: the cheapest reply to read; slot counts
+--        from 0), also when this is a second run of the same call;
+--        {HELD, holder task id, lease ms left} if every slot is held (the holder whose lease
+--        ends first);
+--        {HANDED_ON, its task id, reservation ms, message} if a slot was free but handed to the
+--        first parked run (the caller sends its message);
+--        {FOREIGN, version} if a record of the key was written by another protocol version
+local token, ttl, px, handoff, earlier = string.match(ARGV[1], ACQUIRE_CALL)
+local n = #KEYS - 3
+local queue, parked, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+local first = redis.call('GET', KEYS[1])
+if n == 1 and handoff == '' and earlier == '' then
+  -- The plain path: one slot, a run never parked, and a key with no record (nobody held it
+  -- lately) or with the record a plain run's release left (it opens with PLAIN, see RELEASE).
+  -- What the general path would do, reading that record as text (PLAIN_RELEASED: what is read
+  -- comes first; a pattern costs the server per byte) and the clock's digits as they come.
+  local rt, fence, outcome, prev_id = '', nil, nil, nil
+  if first then
+    rt, fence, outcome, prev_id = string.match(first, PLAIN_RELEASED)
+  end
+  if rt then
+    local t = redis.call('TIME')
+    local us = string.sub('00000' .. t[2], -6)
+    local since, new_fence = t[1] .. string.sub(us, 1, 3), t[1] .. us
+    local extra = ''
+    if fence then
+      if fence + 1 > tonumber(new_fence) then
+        new_fence = string.format('%d', fence + 1)
+      end
+      rt = RT_FIELD(rt)
+      extra = PREVIOUS_FIELDS(prev_id, outcome)
+    end
+    local deadline = string.format('%d', since + ttl)
+    redis.call('SET', KEYS[1], PLAIN_RUNNING_RECORD(token, new_fence, since, deadline) .. rt .. ARGV[2] ..
+      extra .. '}', 'PX', px)
+    return new_fence .. ':' .. since .. ':0'
+  end
+end

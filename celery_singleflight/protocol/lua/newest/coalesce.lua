@@ -1,0 +1,92 @@
+-- COALESCE: make this run the key's one pending run (``coalesce``, and ``supersede`` with mode
+-- 'supersede'; protocol/newest.py).
+-- KEYS[1..n] - the key's run records
+-- KEYS[n+1] - queue of parked runs
+-- KEYS[n+2] - parked messages
+-- KEYS[n+3] - the newest book (hash: 's:<id>' -> send stamp of the pending run, 'o:<id>' -> JSON
+--             list of the messages of runs it replaced, until they are answered)
+-- ARGV[1] - the entry 'task id|handoff token'
+-- ARGV[2] - the message to send when it is its turn
+-- ARGV[3] - 'last' (a newer duplicate replaces the pending run), 'first' (it is dropped), or
+--           'supersede' (as 'last', and the runs holding the key are marked superseded by it)
+-- ARGV[4] - n, the number of slots
+-- ARGV[5] - the run's send stamp (a whole number; '' if sent without one: it counts as the newest)
+-- ARGV[6] - supersede: the grace before a superseded run is revoked, milliseconds
+-- ARGV[7] - supersede: the revoke's signal name
+-- The pending run is the queued entry not yet handed a slot (a reserved one is as good as
+-- running; a redelivery's own copy is not a run of its own). A second run of the same call finds
+-- this run parked and answers as the first did; every held record is flagged ``waiting``, so
+-- its release hands the key on (the queue's hand-off, unchanged). A superseded record keeps
+-- when it was first superseded (``sup_at``, and ``sup_due``: when it is revoked); ``sup_by``
+-- names the newest run that superseded it.
+-- return {FREE} if a slot is free (acquire again);
+--        {PENDING, ms until the first holder's lease runs out, sup_due ms or '', messages...} once
+--        this run is the pending one: the messages of the runs it replaced (the caller ends them,
+--        then deletes 'o:<id>');
+--        {GIVES_WAY, pending task id} if this run gives way to the pending run (it does not run)
+local n, mode = tonumber(ARGV[4]), ARGV[3]
+local queue, parked, book = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+local sep = string.find(ARGV[1], '|', 1, true)
+local id, stamp = string.sub(ARGV[1], 1, sep - 1), ARGV[5]
+local now = clock()
+local recs, left = all_held(n, now)
+if not recs then
+  return {FREE}
+end
+if redis.call('HGET', parked, id) then
+  return append({PENDING, left, recs[1].sup_due or ''}, owed(book, id))
+end
+local pending, pending_id = nil, nil
+for _, entry in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+  local s = string.find(entry, '|', 1, true)
+  local token = string.sub(entry, s + 1)
+  local reserved = is_own_copy(token)
+  for i = 1, n do
+    if recs[i].token == token then
+      reserved = true
+    end
+  end
+  if not reserved then
+    pending, pending_id = entry, string.sub(entry, 1, s - 1)
+  end
+end
+local replaced = {}
+if pending then
+  local theirs = redis.call('HGET', book, 's:' .. pending_id)
+  local newer = stamp == '' or not theirs or tonumber(stamp) >= tonumber(theirs)
+  if mode == 'first' or not newer then
+    return {GIVES_WAY, pending_id}
+  end
+  replaced = owed(book, pending_id)
+  local msg = redis.call('HGET', parked, pending_id)
+  if msg then
+    table.insert(replaced, msg)
+  end
+  redis.call('LREM', queue, 1, pending)
+  redis.call('HDEL', parked, pending_id)
+  redis.call('HDEL', book, 's:' .. pending_id, 'o:' .. pending_id)
+  if #replaced > 0 then
+    redis.call('HSET', book, 'o:' .. id, cjson.encode(replaced))
+  end
+end
+redis.call('RPUSH', queue, ARGV[1])
+redis.call('HSET', parked, id, ARGV[2])
+if stamp ~= '' then
+  redis.call('HSET', book, 's:' .. id, stamp)
+end
+redis.call('PEXPIRE', book, NEWEST_KEEP_MS)
+for i = 1, n do
+  local r = recs[i]
+  local changed = not r.waiting
+  r.waiting = '1'
+  if mode == 'supersede' then
+    if not r.sup_at then
+      r.sup_at, r.sup_due = num(now), num(now + tonumber(ARGV[6]))
+    end
+    r.sup_by, r.sup_sig, changed = id, ARGV[7], true
+  end
+  if changed then
+    redis.call('SET', KEYS[i], cjson.encode(r), 'KEEPTTL')
+  end
+end
+return append({PENDING, left, recs[1].sup_due or ''}, replaced)

@@ -1,0 +1,29 @@
+-- RATE: a per-key rate limit shared by every worker, GCRA (``key_rate_limit``; protocol/timing.py).
+-- KEYS[1] - the key's theoretical arrival time, emission interval and tolerance (string:
+-- '<tat> <interval> <tolerance>', microseconds; the last two for readers such as the CLI)
+-- KEYS[2] - cells granted (sorted set: call id -> planned start, microseconds)
+-- ARGV[1] - emission interval, microseconds (one cell)
+-- ARGV[2] - tolerance, microseconds ((burst - 1) cells)
+-- ARGV[3] - call id: task id and retries
+-- A granted cell is remembered RATE_GRANT_KEEP_US after its planned start.
+-- return {planned start, now, 1 if granted by this call, 0 if granted before}: microseconds of
+-- the server clock. A call already granted (a replay, a re-sent run) gets its cell again.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval, tolerance, keep = tonumber(ARGV[1]), tonumber(ARGV[2]), RATE_GRANT_KEEP_US
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
+local planned = redis.call('ZSCORE', KEYS[2], ARGV[3])
+if planned then
+  return {tonumber(planned), now, 0}
+end
+local tat = tonumber(string.match(redis.call('GET', KEYS[1]) or '0', '^%d+'))
+if tat < now then
+  tat = now
+end
+planned = math.max(now, tat - tolerance)
+tat = tat + interval
+redis.call('SET', KEYS[1], string.format('%.0f %.0f %.0f', tat, interval, tolerance), 'PX',
+  math.floor((tat - now) / 1000) + 1)
+redis.call('ZADD', KEYS[2], string.format('%.0f', planned), ARGV[3])
+redis.call('PEXPIRE', KEYS[2], math.floor((planned - now + keep) / 1000) + 1)
+return {planned, now, 1}

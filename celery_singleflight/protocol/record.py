@@ -1,0 +1,117 @@
+"""The run record, declared once: every field, its type, who writes it, who reads it, and why.
+
+One JSON string per slot of a key (``<ns>:{<key>}:run``) holds the lease (``token``,
+``deadline``, holder, ``fence``) and the status of the slot's current or last run (state,
+progress, outcome), so that taking and releasing a key are one ``SET`` each. The lease runs out
+when ``deadline`` (server milliseconds) passes; the key itself lives ``keep`` longer, so the
+outcome, the fence and the proof of a release survive for a replay, the status reader and the
+next fence. Numbers are stored as strings: ``cjson`` would print a 16-digit fence as
+``1.7e+15``.
+
+The core fields are declared here; the fields of one feature in its protocol module
+(:class:`~.handoff.HandoffFields`, :class:`~.marks.DuplicateFields`,
+:class:`~.newest.NewestFields`). :class:`RunRecord` has them all: it is the table
+(:meth:`RunRecord.fields`, :func:`fields_table` for the docs), and the only way Python reads a
+record. ``tests/test_record_fields.py`` fails when a script writes, or a module reads, a field
+that is not declared here, or when a declared writer or reader no longer does.
+"""
+
+from __future__ import annotations
+
+from .fields import JSON, MS, NUMBER, TEXT, Field, RecordBase
+from .handoff import HandoffFields
+from .marks import DuplicateFields
+from .newest import NewestFields
+
+__all__ = ["LeaseFields", "RunRecord", "fields_table"]
+
+#: the scripts that write a whole record: a run's own, and a reservation for a parked run (the
+#: hand-off helper that RELEASE, RESUME and FORCE_RELEASE share, and ACQUIRE when it hands on)
+_RECORD_WRITERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE")
+#: the scripts that only check a slot is held (its lease has time left)
+_HELD_READERS = ("PARK", "JOIN", "ENQUEUE_MARK", "NOTE_DUPLICATE", "COALESCE")
+
+
+class LeaseFields(RecordBase):
+    """The core fields: the lease, the holder, the run's outcome and progress, the replays.
+    ``readers`` are those besides the writers (which read what they change)."""
+
+    __slots__ = ()
+
+    v = Field(TEXT, "the protocol version that wrote the record (absent: protocol 1); a script that"
+              " cannot read it answers FOREIGN", writers=_RECORD_WRITERS, readers=())
+    token = Field(TEXT, "the owner token of the running lease (or of the parked run a slot is reserved"
+                  " for); absent once released", writers=_RECORD_WRITERS,
+                  readers=("RENEW", "PROGRESS", "REVISE_OUTCOME", *_HELD_READERS, "ops.keystatus",
+                           "protocol.reads", "worker.bootstep"))
+    fence = Field(NUMBER, "the fencing token of the run: larger than every earlier fence of the key",
+                  writers=_RECORD_WRITERS,
+                  readers=("PROGRESS", "NOTE_DUPLICATE", "ops.keystatus", "worker.bootstep"))
+    since = Field(MS, "when the run took the slot (server ms)", writers=_RECORD_WRITERS,
+                  readers=("ops.keystatus",))
+    deadline = Field(MS, "when the lease runs out unless renewed (server ms); absent once released",
+                     writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE"),
+                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "protocol.reads"))
+    state = Field(TEXT, "running, the last progress state, handing-off, or the outcome once ended",
+                  writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
+                  readers=("ops.keystatus",))
+    outcome = Field(TEXT, "how the run ended: succeeded, failed, retried, revoked, lost, or what a feature"
+                    " records (RELEASE asks the feature's helpers)",
+                    writers=("RELEASE", "REVISE_OUTCOME", "FORCE_RELEASE"),
+                    readers=("ACQUIRE", "RESUME", "ops.keystatus"))
+    ended = Field(MS, "when the run ended (server ms)", writers=("RELEASE", "FORCE_RELEASE"),
+                  readers=("ops.keystatus",))
+    updated = Field(MS, "when the record last changed for its readers (progress, end)",
+                    writers=("RELEASE", "PROGRESS", "FORCE_RELEASE"), readers=("ops.keystatus",))
+    task_id = Field(TEXT, "the holder's task id (a hold's holder id)", writers=_RECORD_WRITERS,
+                    readers=("REVISE_OUTCOME", "PARK", "JOIN", "ENQUEUE_MARK", "COALESCE", "ops.keystatus",
+                             "policies.newest", "worker.bootstep", "worker.sweeper"))
+    task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); sent by ACQUIRE's caller with"
+                      " the other holder fields (``Holder.fields``)", writers=("ACQUIRE",),
+                      readers=("ops.keystatus", "policies.newest"))
+    worker = Field(TEXT, "the holder's worker (its hostname as Celery names it)", writers=("ACQUIRE",),
+                   readers=("ops.keystatus",))
+    host = Field(TEXT, "the holder's host", writers=("ACQUIRE",),
+                 readers=("ops.keystatus", "worker.bootstep"))
+    pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),
+                readers=("ops.keystatus", "worker.bootstep"))
+    rt = Field(TEXT, "the token of the release that ended the last run: a replay of that release finds it"
+               " and answers as it did", writers=_RECORD_WRITERS,
+               readers=("worker.bootstep", "worker.sweeper"))
+    lost = Field(TEXT, "the fences of the last runs whose lease ran out unreleased (comma-separated): a"
+                 " late release learns it lost the key", writers=_RECORD_WRITERS, readers=())
+    prev_task_id = Field(TEXT, "who ran on the slot before this run", writers=_RECORD_WRITERS,
+                         readers=("REVISE_OUTCOME", "ops.keystatus", "worker.bootstep", "worker.sweeper"))
+    prev_outcome = Field(TEXT, "how that run ended (running, expired, or its outcome)",
+                         writers=("ACQUIRE", "RELEASE", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
+                         readers=("ops.keystatus",))
+    history = Field(TEXT, "``1`` once the run wrote to its history stream (only such runs have one)",
+                    writers=("PROGRESS",), readers=("RELEASE", "RENEW", "FORCE_RELEASE", "NOTE_DUPLICATE"))
+    progress = Field(JSON, "the last progress update (state, current, total, message, fields)",
+                     writers=("PROGRESS",), readers=("ops.keystatus",))
+    pseq = Field(NUMBER, "the number of the last progress update written: a re-sent one writes nothing",
+                 writers=("PROGRESS",), readers=())
+    entry = Field(TEXT, "the history entry of the last progress update (a replay's answer)",
+                  writers=("PROGRESS",), readers=())
+    args = Field(JSON, "the run's arguments, only when its task opts in (``status_include_args``)",
+                 writers=("PROGRESS",), readers=("ops.keystatus",))
+
+
+class RunRecord(LeaseFields, HandoffFields, DuplicateFields, NewestFields):
+    """A run record with every declared field (see the module docstring)."""
+
+    __slots__ = ()
+
+
+def fields_table() -> str:
+    """The Markdown table of every field of the run record, for the docs."""
+    lines = ["| field | declared in | type | written by | read by | meaning |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    owner = {name: klass.__module__.rsplit(".", 1)[-1] for klass in reversed(RunRecord.__mro__)
+             for name, value in vars(klass).items() if isinstance(value, Field)}
+    for field in RunRecord.fields():
+        writers = ", ".join(f"`{w}`" for w in field.writers)
+        readers = ", ".join(f"`{r}`" for r in field.readers)
+        lines.append(f"| `{field.name}` | `{owner[field.name]}` | {field.kind.name} | {writers} | {readers}"
+                     f" | {field.meaning} |")
+    return "\n".join(lines)

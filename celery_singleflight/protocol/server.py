@@ -1,0 +1,90 @@
+"""What the worker's start checks ask of a lease Redis (:mod:`..worker.preflight`): its version
+and role, its eviction policy and replication, its clock, whether it lets this user run and load
+the protocol's scripts, and which protocol version last started in the namespace.
+
+Every call here is read-only, but for loading the scripts (which warms Redis's script cache) and
+the namespace's protocol mark (``<namespace>:protocol``): the highest protocol version of any
+worker that started in the namespace, so that a worker of another version says so at its start
+instead of mixing two protocols silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from .context import text
+from .fields import PROTOCOL
+from .layout import Layout, Part
+
+__all__ = ["MARK", "config_memory", "hello", "load_scripts", "mark_protocol", "ping", "replication",
+           "server_time"]
+
+#: a script SHA nobody loaded: EVALSHA answers NOSCRIPT when permitted and NOPERM when not, and runs nothing
+_UNKNOWN_SHA = "0" * 40
+
+MARK = Part("protocol", "string: a protocol version", "none",
+            "the highest protocol version of the workers that started in the namespace: a worker of another"
+            " version warns at its start", index=True)
+
+
+def ping(client: Any) -> None:
+    """``PING``: the server answers, and this user may connect (a refused PING, or SELECT of the
+    URL's database, raises NoPermissionError)."""
+    client.ping()
+
+
+def hello(client: Any) -> dict[str, str]:
+    """``HELLO`` without arguments: server version and role. Needs no ACL permission (Redis 6+)."""
+    execute: Any = client.execute_command  # redis-py does not wrap HELLO (it would switch protocols)
+    reply: Any = execute("HELLO")
+    if isinstance(reply, list):
+        reply = dict(zip(reply[::2], reply[1::2], strict=False))
+    return {text(k): text(v) for k, v in reply.items() if not isinstance(v, list)}
+
+
+def config_memory(client: Any) -> tuple[int, str]:
+    """(``maxmemory``, ``maxmemory-policy``) from ``CONFIG GET``."""
+    conf: Any = client.config_get("maxmemory*")
+    return int(conf.get("maxmemory", 0) or 0), str(conf.get("maxmemory-policy", "noeviction"))
+
+
+def replication(client: Any) -> dict[str, Any]:
+    """``INFO replication``."""
+    reply: Any = client.info("replication")
+    return dict(reply)
+
+
+def server_time(client: Any) -> float:
+    """The server's clock (``TIME``), epoch seconds."""
+    seconds, micros = client.time()
+    return float(seconds) + int(micros) / 1e6
+
+
+def load_scripts(client: Any, sources: Sequence[str]) -> int:
+    """Probe ``EVALSHA``, then ``SCRIPT LOAD`` every script; raises ``NoPermissionError`` when
+    refused (once: each refusal is an ``ACL LOG`` entry). Returns how many were loaded."""
+    with contextlib.suppress(redis.exceptions.NoScriptError):
+        client.evalsha(_UNKNOWN_SHA, 0)  # permitted: NOSCRIPT; refused: NOPERM
+    if not sources:
+        return 0
+    client.script_load(sources[0])
+    pipe = client.pipeline(transaction=False)
+    for source in sources[1:]:
+        pipe.script_load(source)
+    pipe.execute()
+    return len(sources)
+
+
+def mark_protocol(client: Any, namespace: str) -> int | None:
+    """Record this worker's protocol version in the namespace's mark, keeping the highest, and
+    return the version that was there (None: no worker marked it yet)."""
+    key = Layout(namespace).index(MARK)
+    found: Any = client.get(key)
+    before = int(text(found)) if found is not None and text(found).isdigit() else None
+    if before is None or before < PROTOCOL:
+        client.set(key, str(PROTOCOL))
+    return before
