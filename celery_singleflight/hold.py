@@ -40,27 +40,20 @@ from typing import Any
 
 import redis
 
-from . import signals
-from .connection import is_unavailable
+from . import constants, signals
+from .config.options import Options, app_options
+from .connection.clients import is_unavailable
 from .errors import ConfigurationError, LockHeld, NotInsideRun, RedisUnavailable
-from .guard import Guard
 from .keys import stored_key
-from .lease import Lease
-from .progress import make_update
-from .replies import Acquired, Held, Holder
-from .settings import Options, app_options
+from .protocol.replies import Acquired, Held, Holder
+from .run.guard import HOLD_SENDER as SENDER
+from .run.guard import Guard
+from .run.lease import Lease
+from .run.progress import make_update
 
-__all__ = ["Hold", "HoldLease", "hold"]
+__all__ = ["SENDER", "Hold", "HoldLease", "hold"]
 
 log_duplicate = logging.getLogger("celery_singleflight.duplicate")
-
-#: the sender of signals and the ``task_name`` recorded for holds
-SENDER = "hold"
-# waiting for a held key: jittered exponential backoff between these bounds (seconds)
-_FIRST_DELAY = 0.05
-_MAX_DELAY = 1.0
-_MIN_DELAY = 0.02
-
 
 def default_holder() -> str:
     """``hold:<user>@<host>:<pid>``: what ``status``/``LockHeld`` show, so people know who to ask."""
@@ -232,7 +225,8 @@ class Hold:
             if left <= 0:
                 self._refused(guard, got, mod_time.monotonic() - started)
             # never sleep past the deadline, nor (much) past the holder's lease time left
-            cap = min(_FIRST_DELAY * 2**attempt, _MAX_DELAY, max(got.ttl_left, _MIN_DELAY), left)
+            cap = min(constants.HOLD_FIRST_DELAY * 2**attempt, constants.HOLD_MAX_DELAY,
+                      max(got.ttl_left, constants.HOLD_MIN_DELAY), left)
             mod_time.sleep(random.uniform(cap / 2, cap))
             attempt += 1
 
@@ -247,7 +241,7 @@ class Hold:
             ttl_left=held.ttl_left, policy="raise", outcome="raised", detail=f"refused after {waited:.1f}s",
         )
         try:
-            guard.store.note_duplicate(self.key, self.holder, "raised")
+            guard.store.marks.note_duplicate(self.key, self.holder, "raised")
         except redis.RedisError as exc:
             log_duplicate.debug("could not note the refused hold on key=%r: %s", self.key, exc)
         raise LockHeld(self.key, held.holder, held.ttl_left)

@@ -18,14 +18,15 @@ import weakref
 
 import redis
 
-from .connection import last_attempt_sent
-from .lease import Lease, learn_superseded
-from .store import LeaseStore
+from .. import constants
+from ..connection.clients import last_attempt_sent
+from ..protocol.lease import RenewReply
+from ..protocol.store import LeaseStore
+from .lease import Lease
 
 __all__ = ["Heartbeat", "heartbeat_for"]
 
 log = logging.getLogger("celery_singleflight.renew")
-_ERROR_RETRY = 1.0
 
 
 class Heartbeat:
@@ -91,7 +92,7 @@ class Heartbeat:
                 self._loop()
             except Exception:
                 log.exception("heartbeat pass failed; renewing on")
-                self._stop.wait(_ERROR_RETRY)
+                self._stop.wait(constants.HEARTBEAT_ERROR_RETRY)
 
     def _loop(self) -> None:
         inf = float("inf")
@@ -163,17 +164,13 @@ class Heartbeat:
             for lease in leases:
                 if mod_time.monotonic() >= lease.deadline:
                     lease.mark_lost(why)
-            return min(_ERROR_RETRY, self._tick)
+            return min(constants.HEARTBEAT_ERROR_RETRY, self._tick)
         finally:
             self.rounds += 1
         sent = last_attempt_sent(sent)  # a renewal sent again after a lost reply renews from then
-        for lease, ok in zip(leases, results, strict=True):
-            if ok:
-                lease.confirmed_at = sent
-                if ok == 2 and not lease.superseded:
-                    learn_superseded(lease)
-            elif not lease.released:
-                lease.mark_lost("the lease expired or was released by someone else")
+        for lease, code in zip(leases, results, strict=True):
+            lease.renewed(code, sent)
+            if code == RenewReply.GONE:
                 self.discard(lease)
         return self._tick
 

@@ -16,12 +16,15 @@ from typing import Any
 
 import redis
 
-from . import signals
-from .errors import LeaseLost, Superseded
+from .. import constants, signals
+from ..errors import LeaseLost, Superseded
+from ..protocol.layout import Layout
+from ..protocol.lease import ProgressReply, RenewReply
+from ..protocol.newest import Notice, ProgressNotice, RenewNotice
+from ..protocol.store import LeaseStore
 from .progress import ProgressReporter, ProgressUpdate
-from .store import LeaseStore
 
-__all__ = ["Lease", "learn_superseded", "process_alive"]
+__all__ = ["Lease", "process_alive"]
 
 log_renew = logging.getLogger("celery_singleflight.renew")
 
@@ -67,7 +70,8 @@ class Lease:
         check and the write it guards, so a holder learns of its loss before another run can
         take the key, not at the same instant.
         """
-        return self.confirmed_at + self.ttl - min(1.0, 0.1 * self.ttl)
+        margin = min(constants.LEASE_MARGIN, constants.LEASE_MARGIN_SHARE * self.ttl)
+        return self.confirmed_at + self.ttl - margin
 
     @property
     def time_left(self) -> float:
@@ -114,18 +118,47 @@ class Lease:
             self._progress_seq += 1
             seq = self._progress_seq
         try:
-            ours = self.store.progress(self.key, self.slot, self.token, json.dumps(data), update.state, seq,
-                                       update.args or "")
+            code, _ = self.store.lease.progress(self.key, self.slot, self.token, json.dumps(data),
+                                                update.state, seq, update.args or "")
         except redis.RedisError as exc:
             log_renew.warning("could not record progress of key=%r: %s", self.key, exc)
             return data
-        if not ours:
+        if code == ProgressReply.NOT_OURS:
             self.mark_lost("progress found the lease gone")
             raise LeaseLost(self.key, self.lost_reason)
-        if isinstance(ours, str) and not self.superseded:  # before the heartbeat could say so
-            learn_superseded(self)
+        if code == ProgressNotice.WRITTEN_SUPERSEDED and not self.superseded:  # before the heartbeat said so
+            self.learn_superseded()
             self.check()
         return data
+
+    @property
+    def layout(self) -> Layout:
+        """Where the lease's keys live (its store's namespace): what a renewal names."""
+        return self.store.layout
+
+    def renewed(self, code: int, confirmed_at: float) -> None:
+        """What a renewal sent at ``confirmed_at`` (monotonic) answered for this lease."""
+        if code == RenewReply.GONE:
+            if not self.released:
+                self.mark_lost("the lease expired or was released by someone else")
+            return
+        self.confirmed_at = confirmed_at
+        if code == RenewNotice.RENEWED_SUPERSEDED and not self.superseded:
+            self.learn_superseded()
+
+    def learn_superseded(self, notice: Notice | None = None) -> None:
+        """A newer run superseded this one: learn by whom and when (one round trip, unless
+        ``notice`` says it), and flag it (the key is entered in the superseding index, so the
+        run is revoked after the grace even if the newcomer's process died before entering it)."""
+        if notice is None:
+            try:
+                notice = self.store.newest.notice(self.key, self.slot)
+            except redis.RedisError as exc:
+                log_renew.warning("could not read who superseded key=%r: %s", self.key, exc)
+        if notice is None:
+            self.mark_superseded("")
+        else:
+            self.mark_superseded(notice.by, notice.at, notice.revoke_at)
 
     def mark_lost(self, reason: str, *, at_release: bool = False) -> None:
         """Record the loss once: flag, warning log and ``lease_lost`` signal.
@@ -143,23 +176,6 @@ class Lease:
             self.key, self.task_name, self.task_id, self.fence, reason,
         )
         signals.lease_lost.send(sender=self.task_name, lease=self, reason=reason)
-
-
-def learn_superseded(lease: Lease) -> None:
-    """A renewal found ``lease`` superseded: read by whom and when (one round trip), flag it,
-    and make sure the key is in the superseding index, so the run is revoked after the grace
-    even if the newcomer's process died before entering it."""
-    try:
-        record = lease.store.record(lease.key, lease.slot)
-        due = int(record.get("sup_due") or 0)
-        if due:
-            lease.store.mark_superseding(lease.key, due)
-    except (redis.RedisError, ValueError) as exc:
-        log_renew.warning("could not read who superseded key=%r: %s", lease.key, exc)
-        record, due = {}, 0
-    at = int(record.get("sup_at") or 0)
-    lease.mark_superseded(str(record.get("sup_by") or ""), at / 1000.0 if at else None,
-                          due / 1000.0 if due else None)
 
 
 def process_alive(pid: int) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ProgressError
+from ..errors import ProgressError
 
 __all__ = ["ProgressReporter", "ProgressUpdate", "make_update", "result_meta"]
 

@@ -1,6 +1,6 @@
 """One run's life on one key: take the lease, keep it, report progress, release it, settle.
 
-:class:`Guard` is the single lifecycle behind both doors, :class:`~.task.SingleFlightTask` and
+:class:`Guard` is the single lifecycle behind both doors, a task's run (:mod:`.pipeline`) and
 :func:`~.hold.hold`::
 
     guard = Guard(app, key, options, holder, sender=task.name)
@@ -24,18 +24,21 @@ from typing import Any
 
 import redis
 
-from . import signals
-from .connection import last_attempt_sent
-from .errors import LeaseLost, NotInsideRun
+from .. import signals
+from ..config.core import CoreOptions
+from ..connection.clients import last_attempt_sent
+from ..errors import LeaseLost, NotInsideRun
+from ..protocol.replies import Acquired, Held, Holder, Settlement
+from ..protocol.store import LeaseStore, store_for
 from .heartbeat import Heartbeat, heartbeat_for
 from .lease import Lease
 from .progress import ProgressReporter, ProgressUpdate
-from .replies import Acquired, Held, Holder, Settlement
-from .settings import Options
 from .settle import NO_RESULT, Ending, settle
-from .store import LeaseStore, store_for
 
-__all__ = ["Guard", "options_store"]
+__all__ = ["HOLD_SENDER", "Guard", "options_store"]
+
+#: the sender of signals and the ``task_name`` recorded for holds (``hold()``)
+HOLD_SENDER = "hold"
 
 log_acquire = logging.getLogger("celery_singleflight.acquire")
 log_release = logging.getLogger("celery_singleflight.release")
@@ -44,7 +47,7 @@ log_release = logging.getLogger("celery_singleflight.release")
 ProgressHook = Callable[[Lease, dict[str, Any]], None]
 
 
-def options_store(opts: Options) -> LeaseStore:
+def options_store(opts: CoreOptions) -> LeaseStore:
     """The lease store of this process for a task's (or hold's) options (looked up once per
     options object and process: every run asks)."""
     known = _stores.get(id(opts))
@@ -58,7 +61,7 @@ def options_store(opts: Options) -> LeaseStore:
     return store
 
 
-_stores: dict[int, tuple[Options, int, LeaseStore]] = {}
+_stores: dict[int, tuple[CoreOptions, int, LeaseStore]] = {}
 
 
 class Guard:
@@ -70,7 +73,7 @@ class Guard:
     """
 
     def __init__(
-        self, app: Any, key: str, options: Options, holder: Holder, *, sender: str,
+        self, app: Any, key: str, options: CoreOptions, holder: Holder, *, sender: str,
         clear_marker: bool = False, on_progress: ProgressHook | None = None, store: LeaseStore | None = None,
         computes_result: bool = True,
     ) -> None:
@@ -114,8 +117,6 @@ class Guard:
             slot=got.slot, confirmed_at=self._asked,
         )
         self.lease = lease
-        if got.superseded_by:
-            lease.mark_superseded(got.superseded_by)
         try:
             self._beat = heartbeat_for(self.store)
             self._beat.add(lease)

@@ -16,7 +16,8 @@ point in time, not a token held, so the most a lost message wastes is its one ce
 
 Safe to run twice: a call is named by its task id and ``request.retries`` (a re-sent or
 redelivered message of the same run, and a replayed script, get the cell already granted, never
-a second one). Granted cells are remembered :data:`GRANT_KEEP` seconds after their planned start.
+a second one). Granted cells are remembered :data:`~..constants.RATE_GRANT_KEEP` seconds after their
+planned start.
 """
 
 from __future__ import annotations
@@ -30,56 +31,47 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from .errors import ConfigurationError, Throttled
-from .events import send_task_event
-from .store import LeaseStore, _Script
+from .. import constants
+from ..config.option import Option, OptionGroup, anything
+from ..errors import ConfigurationError, Throttled
+from ..protocol.store import LeaseStore
+from ..protocol.timing import ACL_COMMANDS, RateState
+from ..run.events import send_task_event
+from ..run.stage import Ended, Run, Stage
 
-__all__ = ["GRANT_KEEP", "PLANNED_ATTR", "RATE_SCRIPT", "Rate", "RateState", "Slot", "admit", "parse_rate",
-           "parse_state", "rate_state", "reserve"]
+__all__ = ["PLANNED_ATTR", "Rate", "RateLimit", "RateOptions", "RateState", "Slot", "admit", "parse_rate",
+           "rate_state", "reserve"]
 
 log = logging.getLogger("celery_singleflight.ratelimit")
 
-#: how long a granted cell is remembered after its planned start, seconds: a re-sent run that
-#: arrives later than this takes a new cell (later, never earlier: the limit still holds)
-GRANT_KEEP = 60.0
-#: a re-sent run that arrives this early (seconds) still starts: the broker's timers are not exact
-EARLY_ALLOWANCE = 0.002
 #: the request attribute a rate-limited run finds its planned start in (epoch seconds, server clock)
 PLANNED_ATTR = "singleflight_planned_start"
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*/\s*([a-z]+)\s*$")
 
-RATE_SCRIPT = """
--- KEYS[1] - the key's theoretical arrival time, emission interval and tolerance (string:
--- '<tat> <interval> <tolerance>', microseconds; the last two for readers such as the CLI)
--- KEYS[2] - cells granted (sorted set: call id -> planned start, microseconds)
--- ARGV[1] - emission interval, microseconds (one cell)
--- ARGV[2] - tolerance, microseconds ((burst - 1) cells)
--- ARGV[3] - call id: task id and retries
--- ARGV[4] - how long a granted cell is remembered after its planned start, microseconds
--- return {planned start, now, 1 if granted by this call, 0 if granted before}: microseconds of
--- the server clock. A call already granted (a replay, a re-sent run) gets its cell again.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local interval, tolerance, keep = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
-local planned = redis.call('ZSCORE', KEYS[2], ARGV[3])
-if planned then
-  return {tonumber(planned), now, 0}
-end
-local tat = tonumber(string.match(redis.call('GET', KEYS[1]) or '0', '^%d+'))
-if tat < now then
-  tat = now
-end
-planned = math.max(now, tat - tolerance)
-tat = tat + interval
-redis.call('SET', KEYS[1], string.format('%.0f %.0f %.0f', tat, interval, tolerance), 'PX',
-  math.floor((tat - now) / 1000) + 1)
-redis.call('ZADD', KEYS[2], string.format('%.0f', planned), ARGV[3])
-redis.call('PEXPIRE', KEYS[2], math.floor((planned - now + keep) / 1000) + 1)
-return {planned, now, 1}
-"""
+
+class RateOptions(OptionGroup):
+    """The per-key rate limit."""
+
+    __slots__ = ()
+    title = "Rate limit"
+
+    key_rate_limit = Option[Any](
+        setting=False, task="key_rate_limit", check=anything, default_text="none: no rate limit",
+        meaning="How many runs of one key may start per second, minute or hour, counted in Redis across every"
+        " worker and process (Celery's own `rate_limit` counts per process). A run over it is not"
+        " refused: it is re-sent to start at the next free slot, shows `RETRY` meanwhile, and does not"
+        " spend `max_retries` ([time policies](time-policies.md)). Combines with `max_concurrency`.",
+        values="`\"N/s\"`, `\"N/m\"` or `\"N/h\"` with N above zero (`\"10/m\"`, `\"0.5/s\"`), or a number"
+        " (per second). `\"10/x\"`, zero, negative and non-numeric values fail when the task is defined.",
+    )
+    key_rate_burst = Option[Any](
+        setting=False, task="key_rate_burst", check=anything, default_text="1: runs are spread evenly",
+        meaning="How many runs of one key may start at once on an idle key, with `key_rate_limit`. Any window"
+        " of W seconds holds at most `rate * W + key_rate_burst` starts.",
+        values="A whole number of at least 1; only with `key_rate_limit`.",
+    )
 
 
 @dataclass(frozen=True)
@@ -103,15 +95,6 @@ class Slot:
     planned: float  # server clock, epoch seconds
     wait: float  # seconds from now; 0 when it may start now
     fresh: bool  # this call took the cell (False: granted before, to this call id)
-
-
-@dataclass(frozen=True)
-class RateState:
-    """A key's rate state for ``status()`` and the CLI."""
-
-    next_free: float  # epoch seconds: when a new run would start
-    planned: int  # runs with a cell planned in the future (throttled, waiting)
-    per_second: float  # the limit, in runs a second
 
 
 def parse_rate(where: str, value: Any, burst: Any = None) -> Rate | None:
@@ -142,50 +125,23 @@ def parse_rate(where: str, value: Any, burst: Any = None) -> Rate | None:
     return Rate(per_second, burst, "".join(str(value).split()))
 
 
-_scripts: dict[int, tuple[Any, Any]] = {}
-
-
-def _script(store: LeaseStore) -> Any:
-    """The script registered on this store's client (once per client)."""
-    client = store.client
-    known = _scripts.get(id(client))
-    if known is None or known[0] is not client:
-        known = _scripts[id(client)] = (client, _Script(client, RATE_SCRIPT))
-    return known[1]
-
-
 def _us(seconds: float) -> int:
     return max(1, round(seconds * 1_000_000))
 
 
 def reserve(store: LeaseStore, key: str, rate: Rate, call_id: str) -> Slot:
     """One round trip: the cell of ``call_id`` on ``key`` (taken now, or found from before)."""
-    layout = store.layout
     interval = _us(rate.interval)
-    planned, now, fresh = _script(store)(
-        keys=[layout.rate(key), layout.planned(key)],
-        args=[interval, interval * (rate.burst - 1), call_id, _us(GRANT_KEEP)],
-    )
-    wait = (int(planned) - int(now)) / 1_000_000
-    return Slot(int(planned) / 1_000_000, 0.0 if wait <= EARLY_ALLOWANCE else wait, bool(fresh))
+    planned, now, fresh = store.timing.reserve(key, interval, interval * (rate.burst - 1), call_id)
+    wait = (planned - now) / 1_000_000
+    return Slot(planned / 1_000_000, 0.0 if wait <= constants.RATE_EARLY_ALLOWANCE else wait, fresh)
 
 
 def rate_state(store: LeaseStore, key: str, now: float | None = None) -> RateState | None:
     """When a new run of ``key`` would start, and how many runs wait for a planned cell; None
     when the key is idle (no run started within one interval)."""
-    layout = store.layout
     now_us = round((mod_time.time() if now is None else now) * 1_000_000)
-    pipe = store.client.pipeline(transaction=False)
-    pipe.get(layout.rate(key))
-    pipe.zcount(layout.planned(key), now_us, "+inf")
-    raw, waiting = pipe.execute()
-    return None if raw is None else parse_state(raw, int(waiting), now_us)
-
-
-def parse_state(raw: bytes | str, waiting: int, now_us: int) -> RateState:
-    """A :class:`RateState` from the rate key's value (``"<tat> <interval> <tolerance>"``)."""
-    tat, interval, tolerance = (int(x) for x in (raw.decode() if isinstance(raw, bytes) else raw).split())
-    return RateState(max(now_us, tat - tolerance) / 1_000_000, waiting, 1_000_000 / interval)
+    return store.timing.state(key, key, now_us)[1]
 
 
 def admit(task: Any, store: LeaseStore, key: str, rate: Rate, args: tuple[Any, ...],
@@ -211,3 +167,29 @@ def admit(task: Any, store: LeaseStore, key: str, rate: Rate, args: tuple[Any, .
     send_task_event(task.app, "task-retried", request.hostname, uuid=task_id, exception=repr(meta),
                     traceback="", timestamp=mod_time.time())
     raise Ignore()
+
+
+class RateLimit(Stage):
+    """The stage of a task with a ``key_rate_limit``."""
+
+    options = RateOptions
+    acl_commands = ACL_COMMANDS
+
+    def __init__(self, rate: Rate) -> None:
+        self.rate = rate
+
+    @classmethod
+    def define(cls, task_cls: type, signature: Any, name: str) -> Rate | None:
+        return parse_rate(f"task {name}", getattr(task_cls, "key_rate_limit", None),
+                          getattr(task_cls, "key_rate_burst", None))
+
+    @classmethod
+    def build(cls, task_cls: type, opts: Any, defined: Any) -> Stage | None:
+        return None if defined is None else cls(defined)
+
+    def before_lease(self, run: Run) -> Ended | None:
+        if run.handoff or run.eager:
+            return None  # a parked run handed the key took its cell when it first came (before it parked)
+        slot = admit(run.task, run.task.store, run.key, self.rate, run.args, run.kwargs)
+        setattr(run.request, PLANNED_ATTR, slot.planned)
+        return None

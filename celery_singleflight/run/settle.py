@@ -1,7 +1,7 @@
 """Carry out what a release obliges: the one place every release path ends.
 
 A release script frees the key, records the outcome and clears the enqueue marker atomically,
-and answers with a :class:`~.replies.Settlement`: the parked run now handed the key (its message
+and answers with a :class:`~..protocol.replies.Settlement`: the parked run now handed the key (its message
 must be sent), and the runs that joined the ended run (they must get its result or error).
 :func:`settle` does both, then logs and signals the release. Every path calls it: a task's end,
 a ``hold()``'s end, ``self.retry()``, the worker's main process for a dead child or a revoke, the
@@ -25,10 +25,10 @@ from celery import states
 from celery.app.task import Context
 from celery.canvas import Signature
 
-from . import signals
-from .errors import LeaseLost
+from .. import signals
+from ..errors import LeaseLost
+from ..protocol.replies import Settlement
 from .events import send_task_event
-from .replies import Settlement
 
 __all__ = ["NO_RESULT", "Ending", "answer_joined", "send_parked", "settle"]
 
@@ -161,7 +161,7 @@ def answer_orphaned_joined(
     join list into the record of what it handed over, where no sweep looks. Only runs whose
     result is not ready are answered (a run the releaser did answer keeps its answer)."""
     waiting = []
-    for message in store.settled_joined(key, token):
+    for message in store.handoff.settled_joined(key, token):
         joined_id = (json.loads(message).get("options") or {}).get("task_id")
         if joined_id and backend.get_task_meta(joined_id).get("status") not in states.READY_STATES:
             waiting.append(message)
