@@ -6,8 +6,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import signals, states
 
-# time policies
-from .debounce import DebouncedRun, is_debounced
+# settings
+from .config.options import Options, resolve_options
 
 # errors
 from .errors import (
@@ -17,6 +17,7 @@ from .errors import (
     LockHeld,
     NotInsideRun,
     ProgressError,
+    ProtocolMismatch,
     QueueFull,
     RedisUnavailable,
     SingleFlightError,
@@ -30,25 +31,25 @@ from .hold import HoldLease, hold
 
 # keys
 from .keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
-from .layout import KeyLayout
-
-# leases
-from .lease import Lease
-
-# outcomes
-from .outcome import CoalescedRun, SkippedRun, is_coalesced, is_skipped
-from .replies import Acquired, Held, Holder, Parked, Settlement
-
-# settings
-from .settings import Options, resolve_options
 
 # status, progress and operations
-from .status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, status_all, watch
-from .store import LeaseStore, store_for
+from .ops.status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, status_all, watch
+from .ops.timestatus import TimeStatus, time_status
+
+# time policies
+from .policies.debounce import DebouncedRun, is_debounced
+
+# outcomes
+from .policies.duplicates import SkippedRun, is_skipped
+from .policies.newest import CoalescedRun, is_coalesced
+from .protocol.replies import Acquired, Held, Holder, Parked, Settlement
+from .protocol.store import KeyLayout, LeaseStore, store_for
+
+# leases
+from .run.lease import Lease
 
 # the task base class
 from .task import SingleFlightTask, counters
-from .timestatus import TimeStatus, time_status
 
 try:
     __version__ = version("celery-singleflight")
@@ -67,6 +68,7 @@ __all__ = [
     "LockHeld",
     "NotInsideRun",
     "ProgressError",
+    "ProtocolMismatch",
     "QueueFull",
     "RedisUnavailable",
     "SingleFlightError",

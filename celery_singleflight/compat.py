@@ -41,9 +41,9 @@ from typing import Any, ClassVar
 import redis
 from celery import Task
 
-from .enqueue import send_once
+from .config.option import Resolving, seconds
 from .errors import ConfigurationError, LockHeld
-from .settings import _seconds
+from .policies.enqueue import send_once
 from .task import SingleFlightTask
 
 __all__ = ["AlreadyQueued", "QueueOnce"]
@@ -123,8 +123,9 @@ class QueueOnce(SingleFlightTask):
         if task_id is not None or options.get("retries") or self.app.conf.task_always_eager:
             return Task.apply_async(self, args, kwargs, task_id, *rest, **options)
         opts = self.options
-        ttl = opts.dedup_ttl if call.get("timeout") is None else _seconds(
-            f"task {self.name}: apply_async(once={{'timeout': ...}})", call["timeout"]
+        ttl = opts.dedup_ttl if call.get("timeout") is None else seconds()(
+            f"task {self.name}: apply_async(once={{'timeout': ...}})", call["timeout"],
+            Resolving(self, self.name, {}),
         )
         sent: list[str | None] = []
 

@@ -2,14 +2,14 @@
 
 A ``SingleFlightTask`` subclass that is a task (not an intermediate base class) compiles its
 ``lock_key`` when it is defined and carries the marker :data:`MARK`. The worker wiring, the
-start checks and the CLI find guarded tasks by it, so none of them imports :mod:`.task`.
+start checks and the CLI find guarded tasks by it, so none of them imports :mod:`..task`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .settings import app_options
+from ..config.options import app_options
 
 __all__ = ["MARK", "guarded_tasks", "is_guarded", "known_slots"]
 

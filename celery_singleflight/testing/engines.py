@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from .testing import RedisServer, _child_setup, redis_server_binary
+from . import RedisServer, _child_setup, redis_server_binary
 
 __all__ = [
     "RedisClusterServers", "SentinelGroup", "TlsFiles", "TlsRedisServer", "cluster_port", "make_tls_files",

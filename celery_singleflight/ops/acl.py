@@ -2,8 +2,8 @@
 
 One source for the rule that ``celery singleflight acl`` prints, the docs show
 (``docs/isolation.md``, ``docs/operations.md``) and the tests apply: the keys of the namespace
-only (``<ns>:{*`` and the namespace's indexes, ``<ns>:waiting`` and the others of
-:data:`.layout.NAMESPACE_PARTS`; not ``<ns>:*``, which also matches a namespace ``<ns>:x``),
+only (``<ns>:{*`` and the namespace's own keys, ``<ns>:waiting`` and the others of
+:data:`..protocol.store.INDEXES`; not ``<ns>:*``, which also matches a namespace ``<ns>:x``),
 no channels, and exactly the commands a full run uses.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 
-from .layout import NAMESPACE_PARTS
+from ..protocol.store import INDEXES
+from ..protocol.timing import ACL_COMMANDS
 
 __all__ = ["CLUSTER_COMMANDS", "LIBRARY_COMMANDS", "TIME_POLICY_COMMANDS", "acl_rule", "key_patterns"]
 
@@ -36,10 +37,8 @@ LIBRARY_COMMANDS: tuple[str, ...] = (
 CLUSTER_COMMANDS: tuple[str, ...] = ("cluster|slots", "command")
 
 
-#: what the time policies (``debounce``, ``key_rate_limit``) use besides: a debounce burst is read
-#: with HMGET and closed with RENAME (within its key's hash slot), the rate limit prunes and looks
-#: up its granted cells, and ``time_status()`` counts the planned ones
-TIME_POLICY_COMMANDS: tuple[str, ...] = ("hmget", "rename", "zremrangebyscore", "zscore", "zcount")
+#: what the time policies (``debounce``, ``key_rate_limit``) use besides (see :mod:`..protocol.timing`)
+TIME_POLICY_COMMANDS: tuple[str, ...] = ACL_COMMANDS
 
 
 def _glob_escape(text: str) -> str:
@@ -48,9 +47,9 @@ def _glob_escape(text: str) -> str:
 
 def key_patterns(namespace: str) -> list[str]:
     """The Redis glob patterns of every key of ``namespace``: ``<ns>:{*`` (every lock) and each
-    index of the namespace (``<ns>:waiting``, ``<ns>:superseding``, ``<ns>:ordering``)."""
+    key of the namespace itself (``<ns>:waiting``, ``<ns>:protocol``, ...)."""
     ns = _glob_escape(namespace)
-    return [f"{ns}:{{*", *(f"{ns}:{part.name}" for part in NAMESPACE_PARTS)]
+    return [f"{ns}:{{*", *(f"{ns}:{part.name}" for part in INDEXES)]
 
 
 def acl_rule(

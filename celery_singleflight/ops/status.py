@@ -24,22 +24,20 @@ A key with ``max_concurrency=N`` > 1 has one run record per slot (``run``, ``run
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time as mod_time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import signals
-from .cluster import clocks_ms
-from .errors import LeaseLost
-from .keys import stored_key
-from .registry import known_slots
-from .settings import app_options
-from .settle import Ending, settle
-from .store import LeaseStore, store_for
+from .. import constants, signals
+from ..config.options import app_options
+from ..errors import LeaseLost
+from ..keys import stored_key
+from ..protocol.store import LeaseStore, store_for
+from ..run.settle import Ending, settle
+from ..worker.registry import known_slots
+from .keystatus import KeyStatus, WatchEvent, combine, glob_escape, run_events
 
 __all__ = [
     "KeyStatus",
@@ -54,185 +52,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("celery_singleflight.release")
-_TERMINAL_KINDS = ("end",)
 #: the part of a run record's Redis key: ``run`` (slot 0) or ``run<slot>`` (slot >= 1, no leading 0)
 _RUN_PART = re.compile(r"run(?:[1-9][0-9]*)?")
-_BATCH = 200
-
-
-def _text(raw: dict[Any, Any]) -> dict[str, str]:
-    return {
-        (k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
-        for k, v in raw.items()
-    }
-
-
-def _num(value: str | None) -> float | None:
-    if value in (None, ""):
-        return None
-    number = float(json.loads(value))
-    return int(number) if number.is_integer() else number
-
-
-def _ms_to_s(value: str | None) -> float | None:
-    return None if not value else int(value) / 1000.0
-
-
-@dataclass(frozen=True)
-class KeyStatus:
-    """What is known about one key: its holder (if held) and the latest status of its run."""
-
-    key: str
-    held: bool
-    state: str  # "running" while held without progress; the outcome once ended
-    task_id: str | None = None
-    task_name: str | None = None
-    worker: str | None = None
-    host: str | None = None
-    pid: int | None = None
-    fence: int | None = None
-    current: float | None = None
-    total: float | None = None
-    percent: float | None = None
-    message: str | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
-    started: float | None = None  # epoch seconds
-    updated: float | None = None
-    ended: float | None = None
-    outcome: str | None = None
-    ttl_left: float | None = None  # seconds of lease left, while held
-    queued: int = 0
-    duplicates: int = 0  # duplicates that arrived while this run held the key
-    released_by: str | None = None
-    args: Any = None  # only when the task opts in (status_include_args)
-    slot: int = 0  # which of the key's max_concurrency slots this run holds (0 for most keys)
-    previous_task_id: str | None = None  # the run on this slot before this one
-    previous_outcome: str | None = None  # how it ended (succeeded, failed, revoked, expired, ...)
-    superseded_by: str | None = None  # on_duplicate="supersede": the newest run that took over this one
-
-    @property
-    def age(self) -> float | None:
-        """Seconds since the run started."""
-        return None if self.started is None else max(0.0, mod_time.time() - self.started)
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["age"] = self.age
-        return out
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """One step of a run as a watcher sees it: ``progress`` updates, then one ``end``."""
-
-    kind: str  # "progress", "duplicate" (another run was turned away) or "end"
-    state: str
-    fence: int | None
-    ts: float | None
-    current: float | None = None
-    total: float | None = None
-    percent: float | None = None
-    message: str | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
-    id: str = ""
-
-    @property
-    def final(self) -> bool:
-        return self.kind in _TERMINAL_KINDS
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _combine(
-    key: str, record: dict[str, Any], now_ms: int, queued: int = 0, slot: int = 0
-) -> KeyStatus | None:
-    """The status of one slot from its run record, at server time ``now_ms``."""
-    if not record and not queued:
-        return None
-    token = record.get("token")
-    deadline = int(record.get("deadline") or 0)
-    is_held = bool(token) and deadline > now_ms
-    ran_out = bool(token) and not is_held
-    state = record.get("state") or ("running" if is_held else "unknown")
-    if record.get("reserved"):
-        state = "handing-off"  # reserved for the next parked run, which has not started yet
-    progress = json.loads(record["progress"]) if record.get("progress") else {}
-    current, total = progress.get("current"), progress.get("total")
-    percent = round(100.0 * current / total, 2) if current is not None and total else None
-    pid, fence = record.get("pid"), record.get("fence")
-    outcome = None if is_held else (record.get("outcome") or ("expired" if ran_out else None))
-    return KeyStatus(
-        key=key,
-        held=is_held,
-        state=state,
-        task_id=record.get("task_id") or None,
-        task_name=record.get("task_name") or None,
-        worker=record.get("worker") or None,
-        host=record.get("host") or None,
-        pid=int(pid) if pid else None,
-        fence=int(fence) if fence else None,
-        current=current,
-        total=total,
-        percent=percent,
-        message=progress.get("message"),
-        fields=progress.get("fields") or {},
-        started=_ms_to_s(record.get("since")),
-        updated=_ms_to_s(record.get("updated")),
-        ended=None if is_held else _ms_to_s(record.get("ended")),
-        outcome=outcome,
-        ttl_left=(deadline - now_ms) / 1000.0 if is_held else None,
-        queued=queued,
-        duplicates=int(record.get("duplicates") or 0),
-        released_by=record.get("released_by"),
-        args=json.loads(record["args"]) if record.get("args") else None,
-        slot=slot,
-        previous_task_id=record.get("prev_task_id") or None,
-        previous_outcome=record.get("prev_outcome") or None,
-        superseded_by=record.get("sup_by") or None,
-    )
-
-
-def _record(raw: Any) -> dict[str, Any]:
-    """A run record, or nothing for a value that is not one (a foreign key of that name)."""
-    if not raw:
-        return {}
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def _event(entry_id: Any, raw: dict[Any, Any]) -> WatchEvent:
-    data = _text(raw)
-    fence = int(data["fence"]) if data.get("fence") else None
-    ts = _ms_to_s(data.get("ts"))
-    eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-    if data.get("kind") == "progress":
-        body = json.loads(data.get("data") or "{}")
-        return WatchEvent(
-            kind="progress", state=body.get("state", ""), fence=fence, ts=ts,
-            current=body.get("current"), total=body.get("total"), percent=body.get("percent"),
-            message=body.get("message"), fields=body.get("fields") or {}, id=eid,
-        )
-    fields = {name: data[name] for name in ("by", "task_id") if data.get(name)}
-    kind = "duplicate" if data.get("kind") == "duplicate" else "end"
-    return WatchEvent(kind=kind, state=data.get("state", ""), fence=fence, ts=ts, fields=fields, id=eid)
-
-
-def _run_events(entries: Any, fence: int | None, cursor: list[str]) -> Iterator[WatchEvent]:
-    """The events of the run with ``fence`` among stream ``entries``; ``cursor[0]`` advances past
-    every entry read (other runs' too), so the next XREAD starts after them."""
-    for entry_id, raw in entries:
-        event = _event(entry_id, raw)
-        cursor[0] = event.id
-        if event.fence == fence:
-            yield event
 
 
 class StatusReader:
@@ -240,7 +61,6 @@ class StatusReader:
 
     def __init__(self, store: LeaseStore, app: Any = None) -> None:
         self.store = store
-        self.client = store.client
         self.app = app  # to send what a force-release hands on; without it the sweeper does
 
     def _run_slot(self, name: str) -> tuple[str, int] | None:
@@ -262,35 +82,17 @@ class StatusReader:
 
     def _scan_runs(self, pattern: str, count: int) -> set[tuple[str, int]]:
         found: set[tuple[str, int]] = set()
-        for raw in self.client.scan_iter(match=pattern, count=count, _type="string"):
-            parsed = self._run_slot(raw.decode() if isinstance(raw, bytes) else str(raw))
+        for name in self.store.reads.scan(pattern, count):
+            parsed = self._run_slot(name)
             if parsed is not None:
                 found.add(parsed)
         return found
 
     def _read_many(self, runs: list[tuple[str, int]]) -> list[KeyStatus | None]:
         """The status of each (key, slot), pipelined in batches (one round trip per batch)."""
-        out: list[KeyStatus | None] = []
-        layout = self.store.layout
-        for start in range(0, len(runs), _BATCH):
-            batch = runs[start : start + _BATCH]
-            pipe = self.client.pipeline(transaction=False)
-            if not self.store.cluster:
-                pipe.time()
-            for key, slot in batch:
-                pipe.get(layout.run(key, slot))
-                pipe.llen(layout.queue(key))
-            replies = pipe.execute()
-            if self.store.cluster:  # each lease against the clock of its own node
-                clocks = clocks_ms(self.client, [layout.run(key, slot) for key, slot in batch])
-                replies = [None, *replies]
-            else:
-                seconds, micros = replies[0]
-                clocks = [int(seconds) * 1000 + int(micros) // 1000] * len(batch)
-            for i, (key, slot) in enumerate(batch):
-                raw, queued = replies[1 + 2 * i : 3 + 2 * i]
-                out.append(_combine(key, _record(raw), clocks[i], int(queued), slot))
-        return out
+        snapshots = self.store.reads.snapshots(runs)
+        return [combine(key, record, now_ms, queued, slot)
+                for (key, slot), (record, queued, now_ms) in zip(runs, snapshots, strict=True)]
 
     def read(self, key: str, slot: int = 0) -> KeyStatus | None:
         """The status of ``key`` in one round trip; None if nothing is known about it.
@@ -312,7 +114,7 @@ class StatusReader:
         """
         key = stored_key(key)
         if slots is None:
-            pattern = _glob_escape(self.store.layout.run(key)) + "*"
+            pattern = glob_escape(self.store.layout.run(key)) + "*"
             wanted = sorted(slot for found, slot in self._scan_runs(pattern, count) if found == key)
         else:
             if slots < 1:
@@ -328,12 +130,12 @@ class StatusReader:
         """
         escaped = self.store.layout.run(prefix)
         head = escaped[: -len("}:run")]
-        pattern = _glob_escape(head) + "*}:run*"  # run and run<slot>; parsed exactly below
+        pattern = glob_escape(head) + "*}:run*"  # run and run<slot>; parsed exactly below
         runs = sorted(run for run in self._scan_runs(pattern, count) if run[0].startswith(prefix))
         return [st for st in self._read_many(runs) if st is not None and st.held]
 
     def watch(
-        self, key: str, timeout: float | None = None, poll: float = 0.5, slot: int = 0
+        self, key: str, timeout: float | None = None, poll: float = constants.WATCH_POLL, slot: int = 0
     ) -> Iterator[WatchEvent]:
         """Yield the run's updates as they happen (history first), ending with its ``end`` event.
 
@@ -346,11 +148,9 @@ class StatusReader:
         if snapshot is None:
             return
         fence = snapshot.fence
-        stream = self.store.layout.history(key, slot)
         deadline = None if timeout is None else mod_time.monotonic() + timeout
         cursor = ["0-0"]
-        history: list[Any] = self.client.xrange(stream, min="-", max="+")  # type: ignore[assignment]
-        for event in _run_events(history, fence, cursor):
+        for event in run_events(self.store.reads.history(key, slot), fence, cursor):
             yield event
             if event.final:
                 return
@@ -361,14 +161,12 @@ class StatusReader:
             return
         while deadline is None or mod_time.monotonic() < deadline:
             block = poll if deadline is None else max(0.001, min(poll, deadline - mod_time.monotonic()))
-            reply: Any = self.client.xread({stream: cursor[0]}, block=max(1, int(block * 1000)), count=100)
-            streams = reply.items() if isinstance(reply, dict) else (reply or [])  # RESP3 / RESP2
-            for _, entries in streams:
-                for event in _run_events(entries, fence, cursor):
-                    yield event
-                    if event.final:
-                        return
-            if not reply:
+            entries = self.store.reads.follow(key, slot, cursor[0], block)
+            for event in run_events(entries, fence, cursor):
+                yield event
+                if event.final:
+                    return
+            if not entries:
                 now = self.read(key, slot)
                 if now is None or not now.held or now.fence != fence:
                     # ended without a history entry (it never reported progress, or expired)
@@ -395,8 +193,8 @@ class StatusReader:
         if slot < 0:
             raise ValueError(f"slot must be 0 or more, not {slot}")
         key = stored_key(key)
-        released = self.store.force_release(key, by, expected_holder, slot, max(slots or 1, slot + 1), ttl,
-                                            hand_on=self.app is not None)
+        released = self.store.handoff.force_release(key, by, expected_holder, slot, max(slots or 1, slot + 1),
+                                                    ttl, hand_on=self.app is not None)
         if released is None:
             return None
         task_id, fence, settlement = released

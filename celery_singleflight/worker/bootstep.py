@@ -32,13 +32,13 @@ from celery import signals as celery_signals
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeLimitExceeded
 
-from .errors import ConfigurationError, LeaseLost
-from .events import send_task_event, set_worker_sends_task_events
-from .lease import process_alive
+from ..errors import ConfigurationError, LeaseLost
+from ..run.events import send_task_event, set_worker_sends_task_events
+from ..run.lease import process_alive
+from ..run.settle import Ending, answer_orphaned_joined, settle
 from .preflight import run_at_worker_start
 from .registry import guarded_tasks, is_guarded
-from .settle import Ending, answer_orphaned_joined, settle
-from .sweeper import QueueSweeper, sweeper_stores
+from .sweeper import Sweeper, sweeps_for
 
 __all__ = ["SingleFlightStep", "check_worker_app", "install", "release_for_ended_child"]
 
@@ -80,7 +80,7 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        self.sweeper: QueueSweeper | None = None
+        self.sweeper: Sweeper | None = None
         app = parent.app
         set_worker_sends_task_events(bool(getattr(parent, "task_events", False)))
         try:
@@ -91,9 +91,9 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
             raise SystemExit(f"celery_singleflight: {exc}") from exc
 
     def start(self, parent: Any) -> None:
-        stores = sweeper_stores(parent.app)
-        if stores:
-            self.sweeper = QueueSweeper(parent.app, stores).start()
+        jobs = sweeps_for(parent.app)
+        if jobs:
+            self.sweeper = Sweeper(parent.app, jobs).start()
 
     def stop(self, parent: Any) -> None:
         if self.sweeper is not None:
@@ -119,25 +119,25 @@ def release_for_ended_child(
         key = task.render_key(*(args or ()), **(kwargs or {}))
         opts, store = task.options, task.store
         host = socket.gethostname()
-        slot, record = 0, {}
+        slot, record = 0, None
         for slot in range(opts.max_concurrency):
-            record = store.holder_record(key, slot)
-            if record.get("task_id") == task_id and record.get("host") == host:
+            record, _ = store.reads.held(key, slot)
+            if record is not None and record.task_id == task_id and record.host == host:
                 break
         else:
             if reason == "revoked":
                 # the child released on SIGTERM and could only say "terminated"
-                store.revise_outcome(key, task_id, "terminated", "revoked")
+                store.lease.revise_outcome(key, task_id, "terminated", "revoked")
             elif opts.max_concurrency == 1:
                 _answer_orphaned_joined(task, store, key, task_id, error or LeaseLost(
                     key, f"the run it joined released the key, then ended ({reason}) before answering"))
             return False
-        pid = int(record.get("pid") or 0)
+        pid = record.pid or 0
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
         settlement = store.release(
-            key, record["token"], reason, opts.ttl, fence=int(record["fence"]), slot=slot,
-            slots=opts.max_concurrency, clear_marker=opts.dedup_enqueue, task_id=task_id,
+            key, record.token, reason, opts.ttl, fence=record.fence, slot=slot, slots=opts.max_concurrency,
+            clear_marker=task.pipeline.clears_marker, task_id=task_id,
         )
     except (redis.RedisError, TypeError, ValueError, KeyError) as exc:
         log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
@@ -157,9 +157,9 @@ def _answer_orphaned_joined(task: Any, store: Any, key: str, task_id: str, error
     between the two): see :func:`~.settle.answer_orphaned_joined`. Only if the release named in
     the key's record was this task's."""
     record = store.record(key)
-    if not record.get("rt") or task_id not in (record.get("task_id"), record.get("prev_task_id")):
+    if not record.rt or task_id not in (record.task_id, record.prev_task_id):
         return 0
-    return answer_orphaned_joined(task.app, task.backend, store, key, record["rt"], task_id, error)
+    return answer_orphaned_joined(task.app, task.backend, store, key, record.rt, task_id, error)
 
 
 def _on_task_failure(

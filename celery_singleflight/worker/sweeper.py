@@ -1,0 +1,129 @@
+"""The sweeper: a thread in each worker's main process that hands on what waits in Redis.
+
+A parked run is normally sent by the release that frees its key. A key whose holder died without
+releasing (a lost host), or whose hand-off message was never sent, is resumed here
+(:class:`HandOn`): the sweeper looks at the namespace's *waiting index* (a sorted set of keys
+with parked or joined runs, scored by when the holder's lease runs out) about once a second.
+Only keys with waiting runs are ever looked at. A delayed (ETA) message would not do: with the
+Redis broker it is reserved by the worker that fetched it and dies with that worker until the
+visibility timeout.
+
+The stages add their own jobs (:meth:`~..run.stage.Stage.sweeps`): revoking superseded runs
+whose grace is over, skipping the sequence numbers of ``ordered=True`` keys whose message never
+arrived. Any worker of the app does each job, so nothing waits on one worker's life.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import redis
+
+from .. import constants
+from ..errors import LeaseLost, ProtocolMismatch
+from ..policies import STAGES
+from ..protocol.store import LeaseStore
+from ..run.guard import options_store
+from ..run.settle import Ending, answer_orphaned_joined, settle
+from ..run.stage import Sweep
+from .registry import guarded_tasks
+
+__all__ = ["HandOn", "Sweeper", "hand_on_sweeps", "sweeps_for"]
+
+log = logging.getLogger("celery_singleflight.queue")
+
+
+class Sweeper:
+    """Runs its jobs about every ``interval`` seconds on a daemon thread (see the module docstring)."""
+
+    def __init__(self, app: Any, jobs: list[Sweep], interval: float = constants.SWEEP_INTERVAL) -> None:
+        self.app = app
+        self.jobs = jobs
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="singleflight-queue-sweeper", daemon=True)
+
+    def start(self) -> Sweeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def sweep_once(self) -> int:
+        """Run every job once; return how many waiting runs were sent."""
+        return sum(job.sweep_once() for job in self.jobs)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sweep_once()
+            except redis.RedisError as exc:
+                log.warning("queue sweep failed, retrying: %s", exc)
+            except Exception:
+                log.exception("queue sweep failed")
+
+
+class HandOn(Sweep):
+    """Resume the keys of one namespace whose holder ended without handing them on (``ttl``:
+    the reservation made for a parked run; ``slots``: the most slots a key of it has)."""
+
+    def __init__(self, app: Any, store: LeaseStore, ttl: float, slots: int) -> None:
+        self.app, self.store, self.ttl, self.slots = app, store, ttl, slots
+
+    def sweep_once(self) -> int:
+        sent = 0
+        for key in self.store.handoff.due_waiting():
+            try:
+                found = self.store.handoff.resume(key, self.ttl, self.slots)
+            except ProtocolMismatch as exc:
+                log.error("key=%r is not handed on: %s", key, exc)
+                continue
+            if found is None:
+                continue
+            if found.handoff is not None:
+                log.warning("key=%r was free with runs parked (its holder ended without handing it on);"
+                            " sending the next one", key)
+                sent += 1
+            settle(self.app, found, Ending(
+                key, "sweeper", "<gone>", "lost", signal=False,
+                error=LeaseLost(key, "the run it joined ended without a result (its worker was lost)"),
+            ))
+            if found.handoff is not None:
+                self._orphans(key)
+        return sent
+
+    def _orphans(self, key: str) -> None:
+        """A handoff nobody sent can mean that the releasing run's process died right after its
+        release, with the joined runs it took unanswered (its whole worker was killed, so no
+        main process answered them either): answer those still waiting."""
+        record = self.store.record(key)
+        if record.rt:
+            answer_orphaned_joined(self.app, self.app.backend, self.store, key, record.rt,
+                                   record.prev_task_id or record.task_id or "<gone>",
+                                   LeaseLost(key, "the run it joined released the key, then its worker was"
+                                                  " lost before it answered"))
+
+
+def hand_on_sweeps(app: Any, tasks: list[Any]) -> list[Sweep]:
+    """One :class:`HandOn` per namespace of the app's guarded tasks, whatever their policies
+    (besides queue and join, a turned-away redelivery waits in the queue of its own run), with
+    the namespace's largest TTL and slot count (extra slots are free)."""
+    found: dict[tuple[int, str], tuple[LeaseStore, float, int]] = {}
+    for task in tasks:
+        opts = task.options
+        store = options_store(opts)
+        key = (id(store.client), opts.namespace)
+        _, ttl, slots = found.get(key, (store, 0.0, 1))
+        found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, slots))
+    return [HandOn(app, store, ttl, slots) for store, ttl, slots in found.values()]
+
+
+def sweeps_for(app: Any) -> list[Sweep]:
+    """Every job of the app's sweeper: the hand-on's, then each stage's."""
+    tasks = guarded_tasks(app)
+    return [*hand_on_sweeps(app, tasks), *(job for stage in STAGES for job in stage.sweeps(app, tasks))]
