@@ -25,10 +25,10 @@ from typing import Any
 from benchutil import machine, write_section
 from redis.crc import key_slot
 
-from celery_singleflight.engines import RedisClusterServers
-from celery_singleflight.replies import Acquired, Holder
-from celery_singleflight.store import LeaseStore, store_for
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import LeaseStore, store_for
 from celery_singleflight.testing import RedisServer
+from celery_singleflight.testing.engines import RedisClusterServers
 
 TTL = 30.0
 KEYS = 1_000

@@ -57,10 +57,13 @@ from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
 
-from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, hold, scripts
-from celery_singleflight.guard import options_store
-from celery_singleflight.heartbeat import Heartbeat
-from celery_singleflight.settings import app_options
+from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, hold
+from celery_singleflight.config.options import app_options
+from celery_singleflight.protocol import lease as lease_protocol
+from celery_singleflight.protocol import lua
+from celery_singleflight.protocol.fields import PATTERNS, TEMPLATES
+from celery_singleflight.run.guard import options_store
+from celery_singleflight.run.heartbeat import Heartbeat
 
 TTL = 30.0  # seconds, the same for both contenders
 WARMUP_PAIRS = 1_000  # loads the scripts (NOSCRIPT -> SCRIPT LOAD) and the connection
@@ -205,7 +208,7 @@ class RedisPyLock:
 
     def renew(self, count: int) -> None:
         for lock in self.held[:count]:
-            lock.reacquire()  # TTL back to the full timeout, as RENEW_MANY's PEXPIRE does
+            lock.reacquire()  # TTL back to the full timeout, as RENEW's PEXPIRE does
 
 
 @dataclass(frozen=True)
@@ -614,28 +617,33 @@ def parser_description(client: redis.Redis) -> str:
 _TOKEN, _TASK_ID = "0" * 32, "1" * 32
 _HOLDER = (f'"task_id":"{_TASK_ID}","task_name":"proj.tasks.sync","worker":"celery@host","host":"host",'
            '"pid":"1234"')
-_RUNNING = ('{ "token":"' + _TOKEN + '","fence":"1795446547423730","since":"1795446547423",'
+_RUNNING = ('{ "v":"2","token":"' + _TOKEN + '","fence":"1795446547423730","since":"1795446547423",'
             '"deadline":"1795446577423","state":"running",' + _HOLDER + "}")
-_RELEASED = ('{ "rt":"' + _TOKEN + '","fence":"1795446547423730","outcome":"succeeded",' + _HOLDER +
+_RELEASED = ('{ "v":"2","rt":"' + _TOKEN + '","fence":"1795446547423730","outcome":"succeeded",' + _HOLDER +
              ',"since":"1795446547423","state":"succeeded","ended":"1795446547424","updated":"1795446547424"}')
 #: the Lua helpers ACQUIRE's general path makes (between its plain path and its general body)
-_ACQUIRE_HELPERS = scripts.ACQUIRE[len(scripts._ACQUIRE_PLAIN):-len(scripts._ACQUIRE_GENERAL)]
+_ACQUIRE_SOURCE = lease_protocol.ACQUIRE.source
+_ACQUIRE_HELPERS = _ACQUIRE_SOURCE[_ACQUIRE_SOURCE.index("local function"):_ACQUIRE_SOURCE.index(
+    lua.expand(lua.read(lease_protocol.ACQUIRE.body), TEMPLATES))]
 
 #: parts of a lease script, each timed alone inside Redis (INFO commandstats, EVALSHA usec_per_call):
 #: (label, script, its ARGV[2]); ARGV[1] is a packed call
 _PARTS: list[tuple[str, str, str]] = [
     ("an empty script (Redis's own cost of one EVALSHA)", "return 1", _RUNNING),
     ("TIME (the server clock: deadlines, fences)", "local t = redis.call('TIME') return 1", _RUNNING),
-    ("reading the packed call (7 fields, one string.match)",
-     "local a, b, c, d, e, f, g = string.match(ARGV[1], '" + scripts._fields(7) + "') return 1", _RUNNING),
+    ("reading the packed call (the 5 fields of the plain path, one string.match)",
+     "local a, b, c, d, e = string.match(ARGV[1], " + lua.lua_literal(lease_protocol.ACQUIRE_CALL.head) +
+     ") return 1", _RUNNING),
     ("GET of a run record", "local raw = redis.call('GET', KEYS[1]) return 1", _RUNNING),
     ("plain path: reading a running record as text (RELEASE)",
-     "local head = '{ \"token\":\"" + _TOKEN + "\",\"fence\":\"' "
+     "local head = '{ \"v\":\"2\",\"token\":\"" + _TOKEN + "\",\"fence\":\"' "
      "if string.find(ARGV[2], head, 1, true) == 1 then "
-     "local f, s, rest = string.match(ARGV[2], '" + scripts.PLAIN_RUNNING + "', #head + 1) end return 1",
+     "local f, s, rest = string.match(ARGV[2], " + lua.lua_literal(PATTERNS["PLAIN_RUNNING"]) +
+     ", #head + 1) end return 1",
      _RUNNING),
     ("plain path: reading a released record as text (ACQUIRE)",
-     "local rt, f, o, id = string.match(ARGV[2], '" + scripts.PLAIN_RELEASED + "') return 1", _RELEASED),
+     "local rt, f, o, id = string.match(ARGV[2], " + lua.lua_literal(PATTERNS["PLAIN_RELEASED"]) +
+     ") return 1", _RELEASED),
     ("writing a run record: one concatenation and SET ... PX",
      "redis.call('SET', KEYS[1], '{ \"token\":\"' .. ARGV[2] .. '\",\"fence\":\"1\"}', 'PX', 60000) return 1",
      _HOLDER),
@@ -648,7 +656,7 @@ _PARTS: list[tuple[str, str, str]] = [
 ]
 
 
-_PART_CALL = "\x1f".join(["tok" + "2" * 32, "30000", "300000", "330000", "", "", "task-1"])
+_PART_CALL = "\x1f".join(["tok" + "2" * 32, "30000", "330000", "", "", "300000", "task-1"])
 
 
 def _part_instructions(server: CallgrindServer, namespace: str, calls: int = 300) -> dict[str, int]:

@@ -9,7 +9,7 @@ their budgets, without Celery, with the library's real objects wired as ``Single
 wires them: a ``LeaseStore`` lease, added to a ``Heartbeat``; a ``ProgressReporter`` whose
 ``schedule`` is that heartbeat's ``schedule_flush``; and a writer doing what
 ``SingleFlightTask._sf_progress_writer`` does minus its Celery parts (result meta, event):
-``store.progress(key, slot, token, json.dumps(update.as_dict()), update.state, seq)``, marking the
+``store.lease.progress(key, slot, token, json.dumps(update.as_dict()), update.state, seq)``, marking the
 lease lost and raising ``LeaseLost`` if the write finds the lease gone.
 
 1. Redis round trips per progress write, counted on the client (``send_packed_command`` calls
@@ -68,9 +68,10 @@ from benchutil import delete_matching, machine, redis_for, write_section
 
 from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore
 from celery_singleflight.errors import LeaseLost
-from celery_singleflight.heartbeat import Heartbeat
-from celery_singleflight.progress import ProgressReporter, ProgressUpdate, make_update
-from celery_singleflight.status import StatusReader
+from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.lease import ProgressReply
+from celery_singleflight.run.heartbeat import Heartbeat
+from celery_singleflight.run.progress import ProgressReporter, ProgressUpdate, make_update
 
 TTL = 30.0  # the library's default lock_ttl
 INTERVAL = TTL / 3  # the library's default heartbeat_interval
@@ -152,8 +153,9 @@ def progress_writer(lease: Lease, log: list[tuple[float, float]]) -> Callable[[P
         data = update.as_dict()
         started = time.perf_counter()
         try:
-            ours = lease.store.progress(lease.key, lease.slot, lease.token, json.dumps(data), update.state,
-                                        next(seq))
+            code, _ = lease.store.lease.progress(
+                lease.key, lease.slot, lease.token, json.dumps(data), update.state, next(seq))
+            ours = code != ProgressReply.NOT_OURS
         except redis.RedisError as exc:
             print(f"warning: could not record progress of key={lease.key!r}: {exc}")
             ours = True  # as the task does: Redis trouble is the heartbeat's to judge

@@ -33,7 +33,7 @@ import redis
 from benchutil import CallgrindServer, import_app
 from celery.app.trace import build_tracer, fast_trace_task, setup_worker_optimizations
 
-from celery_singleflight import scripts
+from celery_singleflight.protocol.store import SCRIPTS
 
 HERE = Path(__file__).resolve().parent
 TRACED = ("plain", "two_pings", "redis_lock", "singleflight")
@@ -94,7 +94,7 @@ def instructions_per_task() -> dict[str, tuple[int, int]]:
         server = CallgrindServer(str(server_dir)).start(timeout=120)
         try:
             client = redis.Redis.from_url(f"{server.url}/1")
-            for source in scripts.ALL_SCRIPTS:  # loaded once, so no child run pays for it
+            for source in (script.source for script in SCRIPTS):  # loaded once, so no child run pays for it
                 client.script_load(source)
             lock = client.lock("sftr-preload", timeout=5)  # redis-py registers its release script
             lock.acquire()

@@ -9,7 +9,7 @@ from celery import group
 from celery_progress.backend import GroupProgress, KnownResult, Progress
 
 from celery_singleflight import states
-from celery_singleflight.progress import ProgressUpdate, result_meta
+from celery_singleflight.run.progress import ProgressUpdate, result_meta
 from celery_singleflight.testing import WorkerProcess
 
 from .conftest import wait_for

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight.cli import duration, progress_text, when
-from celery_singleflight.connection import redacted_url as redacted
+from celery_singleflight.connection.clients import redacted_url as redacted
+from celery_singleflight.ops.cli import duration, progress_text, when
 from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
 from .conftest import TESTS, wait_for, worker_env

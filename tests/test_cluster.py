@@ -33,12 +33,12 @@ from celery_singleflight import (
     StatusReader,
     store_for,
 )
-from celery_singleflight.acl import CLUSTER_COMMANDS, acl_rule
-from celery_singleflight.clients import build_client, target_from_settings
-from celery_singleflight.connection import redis_client
-from celery_singleflight.engines import RedisClusterServers
-from celery_singleflight.preflight import preflight
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.connection.targets import build_client, target_from_settings
+from celery_singleflight.ops.acl import CLUSTER_COMMANDS, acl_rule
 from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing.engines import RedisClusterServers
+from celery_singleflight.worker.preflight import preflight
 
 from .conftest import IN_CI, TESTS, wait_for, worker_env
 from .topology_mix import check_outcomes, run_policy_mix
@@ -67,6 +67,7 @@ def lease_env(cluster: RedisClusterServers) -> Iterator[dict[str, str]]:
 class _Lease:
     def __init__(self, store: Any, key: str, token: str, ttl: float = 10.0) -> None:
         self.store, self.key, self.token, self.slot, self.ttl = store, key, token, 0, ttl
+        self.layout = store.layout
 
 
 def test_the_cluster_url_builds_a_cluster_client(cluster: RedisClusterServers) -> None:

@@ -9,13 +9,14 @@ from types import ModuleType
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight import KeyLayout, LeaseStore, scripts
-from celery_singleflight.connection import redis_client
-from celery_singleflight.replies import Acquired, Holder
+from celery_singleflight import KeyLayout, LeaseStore
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import wait_for
+from .lua_sources import SOURCE
 
 
 def payloads(sfapp: ModuleType, key: str) -> list[int]:
@@ -77,24 +78,24 @@ def test_coalesce_script_run_twice_answers_the_same(redis_server: RedisServer) -
     again), each caller still gets the answer of the first run: the newcomer that replaced the
     pending run learns which run it replaced, and nothing is parked twice."""
     with FaultProxy(redis_server.port) as proxy:
-        proxy.add_rule(DROP_REPLY, script=scripts.COALESCE, first_time_only=True)
+        proxy.add_rule(DROP_REPLY, script=SOURCE["COALESCE"], first_time_only=True)
         store = _store(proxy.url(2))
         token = uuid.uuid4().hex
         assert isinstance(store.acquire("k", token, 10, Holder("holder")), Acquired)
-        assert store.coalesce("k", "a", "ha", '{"a": 1}', "last", "100", 0.5) == ()
-        assert store.coalesce("k", "b", "hb", '{"b": 1}', "last", "200", 0.5) == ('{"a": 1}',)
-        assert store.coalesce("k", "c", "hc", '{"c": 1}', "last", "150", 0.5) == "b"  # sent before b
+        assert store.newest.coalesce("k", "a", "ha", '{"a": 1}', "last", "100") == ()
+        assert store.newest.coalesce("k", "b", "hb", '{"b": 1}', "last", "200") == ('{"a": 1}',)
+        assert store.newest.coalesce("k", "c", "hc", '{"c": 1}', "last", "150") == "b"  # sent before b
         assert proxy.faults and len(proxy.faults) == 3
-        assert store.queued("k") == 1
-        assert store.coalesce_owed("k", "b") == ('{"a": 1}',)  # its caller has not cleared them yet
-        store.coalesce_answered("k", "b")
-        assert store.coalesce_owed("k", "b") == ()
+        assert store.handoff.queued("k") == 1
+        assert store.newest.started("k", "b", 0)[0] == ('{"a": 1}',)  # its caller has not cleared them yet
+        store.newest.answered("k", "b")
+        assert store.newest.started("k", "b", 0)[0] == ()
         settlement = store.release("k", token)
         assert settlement.handoff == '{"b": 1}'
         # keep="first": the pending run stays
         token2 = uuid.uuid4().hex
         assert store.acquire("k2", token2, 10, Holder("h2")).acquired
-        assert store.coalesce("k2", "x", "hx", "{}", "first", "1", 0.5) == ()
-        assert store.coalesce("k2", "y", "hy", "{}", "first", "2", 0.5) == "x"
+        assert store.newest.coalesce("k2", "x", "hx", "{}", "first", "1") == ()
+        assert store.newest.coalesce("k2", "y", "hy", "{}", "first", "2") == "x"
         # a free key: acquire again
-        assert store.coalesce("free", "z", "hz", "{}", "last", "", 0.5) is None
+        assert store.newest.coalesce("free", "z", "hz", "{}", "last", "") is None

@@ -64,7 +64,7 @@ def test_a_redelivered_task_does_not_take_a_second_slot_of_its_own_key(
     time.sleep(0.5)
     assert sfapp.recorder.lrange("runs:self", 0, -1) == [first.id.encode()]
     assert sfapp.recorder.llen("overlaps") == 0
-    assert sfapp.limited_two.store.queued(sfapp.limited_two.render_key("self")) == 0
+    assert sfapp.limited_two.store.handoff.queued(sfapp.limited_two.render_key("self")) == 0
 
 
 def test_bad_limits_are_refused() -> None:

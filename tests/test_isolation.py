@@ -43,14 +43,15 @@ from celery_singleflight import (
     hold,
     store_for,
 )
-from celery_singleflight.acl import LIBRARY_COMMANDS, key_patterns
-from celery_singleflight.acl import acl_rule as rule_for
-from celery_singleflight.connection import redis_client
-from celery_singleflight.heartbeat import Heartbeat
-from celery_singleflight.progress import ProgressUpdate
-from celery_singleflight.replies import Parked
-from celery_singleflight.sweeper import QueueSweeper
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.ops.acl import LIBRARY_COMMANDS, key_patterns
+from celery_singleflight.ops.acl import acl_rule as rule_for
+from celery_singleflight.protocol.lease import ProgressReply
+from celery_singleflight.protocol.replies import Parked
+from celery_singleflight.run.heartbeat import Heartbeat
+from celery_singleflight.run.progress import ProgressUpdate
 from celery_singleflight.testing import RedisServer
+from celery_singleflight.worker.sweeper import HandOn, Sweeper
 
 from .conftest import TESTS, wait_for, worker_env
 
@@ -157,8 +158,9 @@ def test_one_key_is_held_independently_in_two_namespaces(admin: redis.Redis) -> 
                    task_name="t", store=a, since=got_b.since)
     assert a.renew([lease_a, posing]) == [True, False]
     lease_a.write_progress(ProgressUpdate("loading", 1, 3))
-    assert a.progress(key, 0, tok_b, json.dumps({"state": "forged"}), "forged", 1) is False
-    assert a.note_duplicate(key, "run-a2", "skipped")
+    forged = a.lease.progress(key, 0, tok_b, json.dumps({"state": "forged"}), "forged", 1)
+    assert forged[0] == ProgressReply.NOT_OURS
+    assert a.marks.note_duplicate(key, "run-a2", "skipped")
     st_a = read_a.read(key)
     assert st_a is not None and st_a.state == "loading" and st_a.current == 1 and st_a.duplicates == 1
     b_intact()
@@ -260,7 +262,7 @@ def test_adversarial_keys_on_redis_stay_in_their_namespace(admin: redis.Redis, n
     for key in ADVERSARIAL_KEYS:
         assert isinstance(a.acquire(key, token(), 30, Holder(f"a:{key}")), Acquired), key
     # a parked run puts the key in the namespace's waiting index too
-    assert isinstance(a.park("x}:lease", "p-1", "h-1", "{}", None, 0.5), Parked)
+    assert isinstance(a.handoff.park("x}:lease", "p-1", "h-1", "{}", None), Parked)
 
     keys_b = {name for key in victims for name in (b.layout.run(key),)}
     keys_a = {name for key in ADVERSARIAL_KEYS for name in (a.layout.run(key),)}
@@ -315,7 +317,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     lease.write_progress(ProgressUpdate("loading", 1, 2))
     assert isinstance(held := store.acquire(key, token(), 5, Holder("run-3")), Held)
     assert held.holder == "run-1"
-    assert store.note_duplicate(key, "run-3", "skipped")
+    assert store.marks.note_duplicate(key, "run-3", "skipped")
 
     # status, listing, watching
     st = reader.read(key)
@@ -326,51 +328,51 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     assert [e.kind for e in events] == ["progress", "duplicate"]
 
     # queue and join: park, join, release hands the key on, the parked run adopts it
-    parked = store.park(key, "run-4", "handoff-4", '{"parked": 4}', None, 0.5)
+    parked = store.handoff.park(key, "run-4", "handoff-4", '{"parked": 4}', None)
     assert isinstance(parked, Parked) and parked.position == 1
-    assert store.join(key, '{"joined": 5}', 0.5) == (1, "run-1")
-    assert store.queued(key) == 1
-    assert store.resume(key, 5, 0.5) is None  # the sweeper's check: the holder is alive
+    assert store.handoff.join(key, '{"joined": 5}') == (1, "run-1")
+    assert store.handoff.queued(key) == 1
+    assert store.handoff.resume(key, 5) is None  # the sweeper's check: the holder is alive
     released = store.release(key, tok, "succeeded", 5, fence=lease.fence)
     assert released and released.handoff == '{"parked": 4}' and released.joined == ('{"joined": 5}',)
     adopted = store.acquire(key, (tok4 := token()), 5, Holder("run-4"), handoff="handoff-4")
-    assert isinstance(adopted, Acquired) and store.queued(key) == 0
-    assert store.revise_outcome(key, "run-4", "running", "revoked") is False
+    assert isinstance(adopted, Acquired) and store.handoff.queued(key) == 0
+    assert store.lease.revise_outcome(key, "run-4", "running", "revoked") is False
     assert store.release(key, tok4, "terminated", 5, fence=adopted.fence)
-    assert store.revise_outcome(key, "run-4", "terminated", "revoked") is True
+    assert store.lease.revise_outcome(key, "run-4", "terminated", "revoked") is True
     # a parked run whose reservation ran out still takes the free key when it is first in line
     tok6 = token()
     assert isinstance(store.acquire(key, tok6, 5, Holder("run-6")), Acquired)
-    assert isinstance(store.park(key, "run-7", "handoff-7", '{"parked": 7}', None, 0.5), Parked)
+    assert isinstance(store.handoff.park(key, "run-7", "handoff-7", '{"parked": 7}', None), Parked)
     assert store.release(key, tok6, ttl=0.1).handoff == '{"parked": 7}'
     time.sleep(0.15)
     late = store.acquire(key, (tok7 := token()), 5, Holder("run-7"), handoff="handoff-7")
-    assert isinstance(late, Acquired) and store.queued(key) == 0
+    assert isinstance(late, Acquired) and store.handoff.queued(key) == 0
     assert store.release(key, tok7)
 
     # the sweeper hands the key of a dead holder to its parked run and answers its joined runs
     conv = "conv:7"
     assert isinstance(store.acquire(conv, token(), 0.2, Holder("dying")), Acquired)
     message = json.dumps(dict(sync.s("acme", "m-9").set(task_id="run-9", headers={"x": "1"})))
-    assert isinstance(store.park(conv, "run-9", "handoff-9", message, None, 0.05), Parked)
-    assert store.join(conv, message, 0.05) is not None
-    sweeper = QueueSweeper(app, [(store, 5.0, 1)])
+    assert isinstance(store.handoff.park(conv, "run-9", "handoff-9", message, None), Parked)
+    assert store.handoff.join(conv, message) is not None
+    sweeper = Sweeper(app, [HandOn(app, store, 5.0, 1)])
     wait_for(lambda: sweeper.sweep_once() == 1, timeout=5, interval=0.05)
     reserved = store.holder_record(conv)
     assert reserved["task_id"] == "run-9" and reserved["reserved"] == "1"
     assert app.AsyncResult("run-9").state == "FAILURE"  # the joined run got the LeaseLost error
     got9 = store.acquire(conv, (tok9 := token()), 5, Holder("run-9"), handoff="handoff-9")
-    assert isinstance(got9, Acquired) and store.queued(conv) == 0
+    assert isinstance(got9, Acquired) and store.handoff.queued(conv) == 0
     assert store.release(conv, tok9, fence=got9.fence)
-    assert store.resume(conv, 5, 0.05) is None  # nothing waits any more: dropped from the index
-    assert conv not in store.due_waiting()
+    assert store.handoff.resume(conv, 5) is None  # nothing waits any more: dropped from the index
+    assert conv not in store.handoff.due_waiting()
 
     # a turned-away redelivery keeps a copy of itself in the queue; its run's release drops it
     tok8 = token()
     assert isinstance(store.acquire(key, tok8, 5, Holder("run-8")), Acquired)
-    assert isinstance(store.park(key, "run-8", "own-8", '{"copy": 8}', None, 0.5), Parked)
-    assert store.queued(key) == 1
-    assert store.release(key, tok8).handoff is None and store.queued(key) == 0
+    assert isinstance(store.handoff.park(key, "run-8", "own-8", '{"copy": 8}', None), Parked)
+    assert store.handoff.queued(key) == 1
+    assert store.release(key, tok8).handoff is None and store.handoff.queued(key) == 0
 
     # force-release by an operator
     tok5 = token()
@@ -387,7 +389,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     again = sync.apply(("acme", "m-1"))  # a repeat of the message: remembered, not run
     assert again.get()["synced"] == "m-1"
     assert sync.apply_async(("acme", "m-1")).id != first.id  # the run ended: a new message
-    assert store.clear_enqueued("acct:acme", "nobody") is False
+    assert store.marks.clear_enqueued("acct:acme", "nobody") is False
 
     # hold(): progress, a refused second hold, status through the app
     with hold(app, "maintenance:db", ttl=3, holder="ops-hold") as h:
@@ -521,16 +523,16 @@ def test_a_library_call_for_another_namespace_fails_with_noperm(
         "acquire": lambda: store.acquire("k", token(), 5, Holder("x")),
         "renew": lambda: store.renew([lease]),
         "release": lambda: store.release("held-by-b", b_tok),
-        "progress": lambda: store.progress("held-by-b", 0, b_tok, "{}", "x", 1),
+        "progress": lambda: store.lease.progress("held-by-b", 0, b_tok, "{}", "x", 1),
         "force_release": lambda: reader.force_release("held-by-b", "intruder"),
         "read": lambda: reader.read("held-by-b"),
         "held": lambda: reader.held(),
-        "park": lambda: store.park("held-by-b", "t", "h", "{}", None, 0.5),
-        "join": lambda: store.join("held-by-b", "{}", 0.5),
-        "due_waiting": lambda: store.due_waiting(),
-        "mark_enqueued": lambda: store.mark_enqueued("k", "t", 5),
-        "remembered": lambda: store.remembered("k"),
-        "remember": lambda: store.remember("k", "{}", 5),
+        "park": lambda: store.handoff.park("held-by-b", "t", "h", "{}", None),
+        "join": lambda: store.handoff.join("held-by-b", "{}"),
+        "due_waiting": lambda: store.handoff.due_waiting(),
+        "mark_enqueued": lambda: store.marks.mark_enqueued("k", "t", 5),
+        "remembered": lambda: store.marks.remembered("k"),
+        "remember": lambda: store.marks.remember("k", "{}", 5),
         "status": lambda: sf.status(app, "held-by-b"),
         "sf.held": lambda: sf.held(app),
         "sf.force_release": lambda: sf.force_release(app, "held-by-b", by="intruder"),
@@ -613,7 +615,8 @@ def test_a_real_worker_runs_with_the_tenant_acl(
         st = leases.read(key)
         assert st is not None and st.outcome == "succeeded", (key, st)
     written = names(admin)
-    assert written and all(n.startswith("sf:{") or n == "sf:waiting" for n in written), written
+    outside = {"sf:waiting", "sf:protocol"}
+    assert written and all(n.startswith("sf:{") or n in outside for n in written), written
     assert set(denied(admin)) <= {("sf-worker", "command", "config|get")}
     assert "no permissions" not in worker.log()
 

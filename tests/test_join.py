@@ -77,7 +77,7 @@ def test_a_joined_link_in_a_chain_passes_the_holders_result_on(
 def test_join_without_a_result_backend_is_refused_at_worker_start() -> None:
     from celery import Celery
 
-    from celery_singleflight.worker import check_worker_app
+    from celery_singleflight.worker.bootstep import check_worker_app
 
     app = Celery("nobackend", broker="redis://127.0.0.1:1/0", set_as_current=False)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from celery_singleflight import ConfigurationError, KeyTemplateError, UnstableKeyError
 from celery_singleflight.keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
-from celery_singleflight.layout import KeyLayout
+from celery_singleflight.protocol.store import KeyLayout
 
 DIGEST_MARK = "~sha256v1~"
 PROPERTY = settings(max_examples=200, deadline=None, database=None)

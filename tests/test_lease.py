@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
-import re
 import signal
 import threading
 import time
@@ -14,12 +13,13 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleflight import Acquired, Held, Holder, KeyLayout, Lease, LeaseStore, scripts
-from celery_singleflight.heartbeat import Heartbeat
+from celery_singleflight import Acquired, Held, Holder, KeyLayout, Lease, LeaseStore
+from celery_singleflight.run.heartbeat import Heartbeat
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import FaultProxy, stall_reply
 from .conftest import wait_for
+from .lua_sources import SOURCE
 
 
 def _store(server: RedisServer, namespace: str = "t") -> LeaseStore:
@@ -57,7 +57,7 @@ def test_short_replies_and_their_replays_read_alike(redis_server: RedisServer, d
     first = store.acquire("k", token, 10, Holder("task-a"))
     again = store.acquire("k", token, 10, Holder("task-a"))
     assert isinstance(first, Acquired) and isinstance(again, Acquired)
-    assert (again.fence, again.since, again.slot, again.superseded_by) == (first.fence, first.since, 0, "")
+    assert (again.fence, again.since, again.slot) == (first.fence, first.since, 0)
     released = store.release("k", token, fence=first.fence)
     assert released.ours and released.handoff is None and released.joined == () and not released.duties
     assert store.release("k", token, fence=first.fence) == released
@@ -100,11 +100,11 @@ def test_a_redelivery_parked_behind_its_own_run_is_dropped_when_that_run_release
     when the run releases, then the copy is dropped and the key goes to the ordinary one."""
     token = _token()
     store.acquire("k", token, 10, Holder("run-a"))
-    assert store.park("k", "run-b", "hb", "message-b", None, 0.5) is not None
-    parked = store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5)
+    assert store.handoff.park("k", "run-b", "hb", "message-b", None) is not None
+    parked = store.handoff.park("k", "run-a", "own-a", "copy-of-a", None)
     assert parked is not None and not isinstance(parked, int) and parked.position == 1
     # a third delivery keeps the first copy (its handoff token and message stay as they were)
-    store.park("k", "run-a", "own-a2", "another-copy", None, 0.5)
+    store.handoff.park("k", "run-a", "own-a2", "another-copy", None)
     assert store.client.lrange(store.layout.queue("k"), 0, -1) == [b"run-a|own-a", b"run-b|hb"]
     released = store.release("k", token)
     assert released.ours and released.handoff == "message-b"
@@ -118,10 +118,10 @@ def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: L
     worker died), then the sweeper's resume hands the key to the copy, ahead of other parked runs,
     even with a bounded queue that is full."""
     store.acquire("k", _token(), 0.2, Holder("run-a"))
-    assert store.park("k", "run-b", "hb", "message-b", 1, 0.5) is not None
-    assert store.park("k", "run-a", "own-a", "copy-of-a", 1, 0.5) is not None
+    assert store.handoff.park("k", "run-b", "hb", "message-b", 1) is not None
+    assert store.handoff.park("k", "run-a", "own-a", "copy-of-a", 1) is not None
     time.sleep(0.3)
-    resumed = store.resume("k", 10, 0.5)
+    resumed = store.handoff.resume("k", 10)
     assert resumed is not None and resumed.handoff == "copy-of-a"
     assert store.holder_record("k")["task_id"] == "run-a" and store.holder_record("k")["token"] == "own-a"
     adopted = store.acquire("k", _token(), 10, Holder("run-a"), handoff="own-a")
@@ -141,14 +141,14 @@ def test_a_redelivery_copy_is_dropped_by_its_runs_late_release(
     token = _token()
     first = store.acquire("k", token, 0.2, Holder("run-a"))
     assert isinstance(first, Acquired)
-    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5)
+    store.handoff.park("k", "run-a", "own-a", "copy-of-a", None)
     time.sleep(0.3)
     if taken_meanwhile:
         other = store.acquire("k", _token(), 10, Holder("run-z"))
         assert isinstance(other, Held) and other.handoff == "copy-of-a"
     released = store.release("k", token, fence=first.fence, task_id="run-a")
     assert released.ours is (not taken_meanwhile)
-    assert store.queued("k") == (1 if taken_meanwhile else 0)
+    assert store.handoff.queued("k") == (1 if taken_meanwhile else 0)
     assert store.client.exists(store.layout.parked("k")) == (1 if taken_meanwhile else 0)
 
 
@@ -160,14 +160,14 @@ def test_a_redelivery_copy_never_gets_a_second_slot_of_its_running_task(store: L
     store.acquire("k", a, 0.5, Holder("run-a"), slots=2)
     b = _token()
     assert isinstance(store.acquire("k", b, 10, Holder("run-b"), slots=2), Acquired)
-    store.park("k", "run-a", "own-a", "copy-of-a", None, 0.5, slots=2)
-    store.park("k", "run-c", "hc", "message-c", None, 0.5, slots=2)
+    store.handoff.park("k", "run-a", "own-a", "copy-of-a", None, slots=2)
+    store.handoff.park("k", "run-c", "hc", "message-c", None, slots=2)
     released = store.release("k", b, slot=1, task_id="run-b", slots=2)
     assert released.ours and released.handoff == "message-c"
     assert store.holder_record("k", 1)["task_id"] == "run-c"
-    assert store.resume("k", 10, 0.5, slots=2) is None  # run-a still holds slot 0: the copy waits
+    assert store.handoff.resume("k", 10, slots=2) is None  # run-a still holds slot 0: the copy waits
     time.sleep(0.6)
-    resumed = store.resume("k", 10, 0.5, slots=2)
+    resumed = store.handoff.resume("k", 10, slots=2)
     assert resumed is not None and resumed.handoff == "copy-of-a"
     assert store.holder_record("k", 0)["task_id"] == "run-a"
     assert store.holder_record("k", 0)["token"] == "own-a"
@@ -349,7 +349,7 @@ def test_the_heartbeat_survives_any_exception_and_keeps_renewing(
     """Given a progress flush that raises a non-Redis error on the heartbeat thread and a renewal
     round that breaks (a bug, not an outage), then the thread logs each with its traceback and goes
     on: the other lease stays renewed well past its TTL and is never reported lost."""
-    from celery_singleflight.progress import ProgressReporter, ProgressUpdate
+    from celery_singleflight.run.progress import ProgressReporter, ProgressUpdate
 
     beat = Heartbeat(store)
     healthy = _lease(store, "healthy", 0.6, 0.2)
@@ -413,7 +413,7 @@ def test_a_call_stopped_before_its_reply_leaves_the_next_call_in_step(redis_serv
 
     with FaultProxy(redis_server.port) as proxy:
         store = LeaseStore(redis.Redis.from_url(proxy.url(2)), KeyLayout(f"kept-{uuid.uuid4().hex[:6]}"))
-        proxy.add_rule(stall_reply(1.0), script=scripts.ACQUIRE, nth=1)
+        proxy.add_rule(stall_reply(1.0), script=SOURCE["ACQUIRE"], nth=1)
         previous = signal.signal(signal.SIGALRM, stop)
         try:
             signal.setitimer(signal.ITIMER_REAL, 0.3)
@@ -452,19 +452,3 @@ def test_a_thread_gives_its_kept_connection_back_when_it_ends(redis_server: Redi
     assert len(pool._available_connections) <= 2  # type: ignore[attr-defined]
 
 
-def test_every_script_defines_each_helper_it_calls() -> None:
-    """Each script carries only the Lua helpers it uses (they come before its body); a helper
-    left out would fail only on the (perhaps rare) path that calls it, as a call of nil. Checked
-    on the text of every script."""
-    libraries = [scripts._COMMON, scripts._HAND_OFF, scripts._ENDING, scripts._ORDER_COMMON]
-    names = [name for library in libraries for name, _ in scripts._helpers(library)]
-    assert {"clock", "hand_off", "drop_own_copy", "keep_book", "OWN_COPY"} <= set(names)
-    for source in scripts.ALL_SCRIPTS:
-        for name in names:
-            used = re.search(rf"(?<![\w.]){name}\b(?!\s*=)", source.replace(f"local function {name}(", ""))
-            if used is None:
-                continue
-            defined = re.search(rf"^local (?:function )?{name}\b", source, re.M)
-            assert defined is not None, f"{name} is used but not defined in:\n{source[:300]}"
-    # and only what it uses: the release script does not make the ordering helpers
-    assert "keep_book" not in scripts.RELEASE and "local function all_held" not in scripts.ACQUIRE

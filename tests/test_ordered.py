@@ -10,12 +10,13 @@ from types import ModuleType
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight import KeyLayout, LeaseStore, scripts
-from celery_singleflight.connection import redis_client
+from celery_singleflight import KeyLayout, LeaseStore
+from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import wait_for
+from .lua_sources import SOURCE
 
 
 def order(sfapp: ModuleType, key: str) -> list[int]:
@@ -47,7 +48,7 @@ def test_a_number_that_never_arrives_is_skipped_after_the_timeout(
     q = worker.queue
     key = sfapp.ordered_gap.render_key("gap", 0)
     before = [sfapp.ordered_gap.apply_async(("gap", n), queue=q) for n in range(5)]
-    sfapp.ordered_gap.store.order_take(key, "never-sent")  # number 6 is taken, its message lost
+    sfapp.ordered_gap.store.order.take(key, "never-sent")  # number 6 is taken, its message lost
     sent = time.time()
     after = [sfapp.ordered_gap.apply_async(("gap", n), queue=q) for n in range(5, 9)]
     assert [r.get(timeout=30) for r in before] == list(range(5))
@@ -71,28 +72,28 @@ def test_order_scripts_run_twice_answer_the_same(redis_server: RedisServer) -> N
     again), a send still gets one number (no gap), the gate admits a run once and hands on its
     successor's message, and a gap skip is not done twice."""
     with FaultProxy(redis_server.port) as proxy:
-        for script in (scripts.ORDER_TAKE, scripts.ORDER_GATE, scripts.ORDER_SWEEP):
+        for script in (SOURCE["ORDER_TAKE"], SOURCE["ORDER_GATE"], SOURCE["ORDER_SWEEP"]):
             proxy.add_rule(DROP_REPLY, script=script, first_time_only=True)
         store = LeaseStore(redis_client(proxy.url(2)), KeyLayout(f"ord-{uuid.uuid4().hex[:6]}"))
-        assert [store.order_take("k", f"t{n}") for n in (1, 2, 3, 4)] == [1, 2, 3, 4]
-        for script in (scripts.ORDER_ADVANCE,):
+        assert [store.order.take("k", f"t{n}") for n in (1, 2, 3, 4)] == [1, 2, 3, 4]
+        for script in (SOURCE["ORDER_ADVANCE"],):
             proxy.add_rule(DROP_REPLY, script=script, first_time_only=True)
-        assert store.order_gate("k", 2, "t2|a", '{"m": 2}', 0.2) == 2  # waits for 1
-        assert store.order_gate("k", 1, "t1|a", '{"m": 1}', 0.2) == 1
-        assert store.order_gate("k", 1, "t1|a", '{"m": 1}', 0.2) == 1  # the same call again
-        assert store.order_gate("k", 1, "t1|b", '{"m": 1}', 0.2) == 4  # another delivery of it
-        assert store.order_gate("k", 2, "t2|c", '{"m": 2}', 0.2) == 2  # 1 has not entered the lease yet
-        assert store.order_advance("k", 1, "t1|a") == '{"m": 2}'  # hands 2 on
-        assert store.order_advance("k", 1, "t1|a") == '{"m": 2}'  # the same call again
-        assert store.order_gate("k", 2, "t2|d", '{"m": 2}', 0.2) == 1
-        assert store.order_advance("k", 2, "t2|d") == ""
-        assert store.order_gate("k", 4, "t4|a", '{"m": 4}', 0.2) == 2  # 3 never comes
+        assert store.order.gate("k", 2, "t2|a", '{"m": 2}', 0.2) == 2  # waits for 1
+        assert store.order.gate("k", 1, "t1|a", '{"m": 1}', 0.2) == 1
+        assert store.order.gate("k", 1, "t1|a", '{"m": 1}', 0.2) == 1  # the same call again
+        assert store.order.gate("k", 1, "t1|b", '{"m": 1}', 0.2) == 4  # another delivery of it
+        assert store.order.gate("k", 2, "t2|c", '{"m": 2}', 0.2) == 2  # 1 has not entered the lease yet
+        assert store.order.advance("k", 1, "t1|a") == '{"m": 2}'  # hands 2 on
+        assert store.order.advance("k", 1, "t1|a") == '{"m": 2}'  # the same call again
+        assert store.order.gate("k", 2, "t2|d", '{"m": 2}', 0.2) == 1
+        assert store.order.advance("k", 2, "t2|d") == ""
+        assert store.order.gate("k", 4, "t4|a", '{"m": 4}', 0.2) == 2  # 3 never comes
         time.sleep(0.3)
-        assert store.order_sweep("k", 0.2) == ('{"m": 4}', 3, 3)
-        assert store.order_gate("k", 4, "t4|a", '{"m": 4}', 0.2) == 1
-        assert store.order_advance("k", 4, "t4|a") == ""
-        assert store.order_sweep("k", 0.2) == ("", None, None)  # nothing waits: not skipped again
-        assert store.order_gate("k", 3, "t3|a", '{"m": 3}', 0.2) == 3  # late: by arrival
+        assert store.order.sweep("k", 0.2) == ('{"m": 4}', 3, 3)
+        assert store.order.gate("k", 4, "t4|a", '{"m": 4}', 0.2) == 1
+        assert store.order.advance("k", 4, "t4|a") == ""
+        assert store.order.sweep("k", 0.2) == ("", None, None)  # nothing waits: not skipped again
+        assert store.order.gate("k", 3, "t3|a", '{"m": 3}', 0.2) == 3  # late: by arrival
         assert len(proxy.faults) >= 8
 
 

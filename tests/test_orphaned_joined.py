@@ -19,8 +19,8 @@ from billiard.exceptions import WorkerLostError
 from celery.result import AsyncResult
 
 from celery_singleflight import Acquired, Holder, LeaseLost
-from celery_singleflight.sweeper import QueueSweeper, sweeper_stores
-from celery_singleflight.worker import release_for_ended_child
+from celery_singleflight.worker.bootstep import release_for_ended_child
+from celery_singleflight.worker.sweeper import Sweeper, sweeps_for
 
 
 def dead_pid() -> int:
@@ -42,10 +42,10 @@ def test_joined_runs_a_killed_releaser_never_answered_are_answered_by_the_main_p
     joiner = str(uuid.uuid4())
     task.backend.store_result(joiner, {"key": key, "holder": holder_id}, "JOINED")
     message = json.dumps(dict(task.s("orphan", "w").set(task_id=joiner)))
-    assert store.join(key, message, 1.0) is not None
+    assert store.handoff.join(key, message) is not None
     if with_parked:
         parked = json.dumps(dict(sfapp.queued.s("x", 1).set(task_id=str(uuid.uuid4()))))
-        store.park(key, "parked-1", uuid.uuid4().hex, parked, None, 1.0)
+        store.handoff.park(key, "parked-1", uuid.uuid4().hex, parked, None)
     # the pool process releases (taking the joined run) and is killed before it answers it
     settlement = store.release(key, token, "succeeded", 30.0, fence=got.fence, task_id=holder_id)
     assert settlement.ours and list(settlement.joined) == [message]
@@ -75,13 +75,13 @@ def test_the_sweeper_answers_them_when_the_whole_worker_died(sfapp: ModuleType) 
     assert isinstance(got, Acquired)
     joiner = str(uuid.uuid4())
     task.backend.store_result(joiner, {"key": key, "holder": holder_id}, "JOINED")
-    assert store.join(key, json.dumps(dict(task.s("orphan-host", "w").set(task_id=joiner))), 1.0)
+    assert store.handoff.join(key, json.dumps(dict(task.s("orphan-host", "w").set(task_id=joiner))))
     parked_run = sfapp.queued.s("orphan-host", 1).set(task_id=str(uuid.uuid4()), queue="nowhere")
     parked = json.dumps(dict(parked_run))
-    store.park(key, "parked-1", uuid.uuid4().hex, parked, None, 1.0)
+    store.handoff.park(key, "parked-1", uuid.uuid4().hex, parked, None)
     store.release(key, token, "succeeded", 0.2, fence=got.fence, task_id=holder_id)  # reserved 0.2 s
     time.sleep(0.3)
     store.client.zadd(store.layout.waiting(), {key: 0})  # due now
-    assert QueueSweeper(sfapp.app, sweeper_stores(sfapp.app)).sweep_once() == 1
+    assert Sweeper(sfapp.app, sweeps_for(sfapp.app)).sweep_once() == 1
     answered = AsyncResult(joiner, app=sfapp.app)
     assert answered.state == "FAILURE" and isinstance(answered.result, LeaseLost)

@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from celery_singleflight import Acquired, Holder, KeyLayout, LeaseStore, scripts
-from celery_singleflight.connection import redis_client
+from celery_singleflight import Acquired, Holder, KeyLayout, LeaseStore
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.protocol.lease import ProgressReply
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
+from .lua_sources import SOURCE
 
 #: fields that differ from run to run (times, tokens, ids): compared by what they stand for
 _VARYING = ("token", "rt", "fence", "since", "deadline", "ended", "updated", "task_id", "prev_task_id",
@@ -113,7 +115,7 @@ def test_a_record_changed_by_another_script_takes_the_general_path(store: LeaseS
     token = uuid.uuid4().hex
     got = store.acquire("acct:3", token, 10, Holder("task-p"))
     assert isinstance(got, Acquired)
-    assert store.progress("acct:3", 0, token, '{"done": 1}', "PROGRESS", 1) is True
+    assert store.lease.progress("acct:3", 0, token, '{"done": 1}', "PROGRESS", 1)[0] == ProgressReply.WRITTEN
     raw, running = _record(store, "acct:3")
     assert not raw.startswith(b"{ ") and running["history"] == "1"
     assert store.release("acct:3", token, fence=got.fence).ours
@@ -137,16 +139,6 @@ def test_a_late_release_of_a_lost_lease_does_not_touch_the_next_plain_run(store:
     raw, running = _record(store, "acct:4")
     assert running["token"] == new and running["lost"] == str(first.fence) and raw.startswith(b"{ ")
     assert store.release("acct:4", new, fence=second.fence).ours
-
-
-def test_the_plain_path_cannot_call_a_helper() -> None:
-    """The plain path runs before the helpers are made: a script whose plain path calls one is
-    refused when the module is built, not when that path first runs."""
-    with pytest.raises(ValueError, match="clock"):
-        scripts._script(scripts._COMMON, "return 1", plain="local now = clock()\n")
-    with pytest.raises(ValueError, match="num"):  # after a minus sign on the same line
-        scripts._script(scripts._COMMON, "return 1", plain="local n = #KEYS - 3 local s = num(n)\n")
-    scripts._script(scripts._COMMON, "return 1", plain="-- clock() and num() come later\nreturn 2\n")
 
 
 @pytest.mark.parametrize("general", [False, True], ids=["plain", "general"])
@@ -191,8 +183,8 @@ def test_a_lost_reply_of_the_plain_path_is_answered_as_the_first_run(
         before, token = uuid.uuid4().hex, uuid.uuid4().hex
         got = store.acquire("acct:7", before, 10, Holder("task-before"))
         assert isinstance(got, Acquired) and store.release("acct:7", before, fence=got.fence).ours
-        assert _record(store, "acct:7")[0].startswith(b'{ "rt":'), "a released plain record"
-        rule = proxy.add_rule(DROP_REPLY, script=getattr(scripts, script), nth=1)
+        assert _record(store, "acct:7")[0].startswith(b'{ "v":"2","rt":'), "a released plain record"
+        rule = proxy.add_rule(DROP_REPLY, script=SOURCE[script], nth=1)
         mine = store.acquire("acct:7", token, 10, Holder("task-mine"))
         assert isinstance(mine, Acquired) and mine.fence > got.fence
         raw, running = _record(store, "acct:7")
@@ -204,6 +196,6 @@ def test_a_lost_reply_of_the_plain_path_is_answered_as_the_first_run(
         assert released["rt"] == token and released["outcome"] == "succeeded"
         # a second ACQUIRE re-encodes the record (it counts the lease from its own run): that run's
         # release then takes the general path, to the same record
-        assert raw.startswith(b'{ "rt":') == (script == "RELEASE")
+        assert raw.startswith(b'{ "v":"2","rt":') == (script == "RELEASE")
         assert "token" not in released and released["fence"] == str(mine.fence)
         assert rule.faulted == 1

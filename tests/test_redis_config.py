@@ -14,10 +14,11 @@ import pytest
 import redis
 import redis.sentinel
 
-from celery_singleflight.clients import build_client, redacted_url, target_from_settings
-from celery_singleflight.connection import redis_client
+from celery_singleflight.config.options import resolve_options
+from celery_singleflight.config.settings import redis_target_for
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.connection.targets import build_client, redacted_url, target_from_settings
 from celery_singleflight.errors import ConfigurationError
-from celery_singleflight.settings import redis_target_for, resolve_options
 
 
 class FakeTask:

@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from celery_singleflight import KeyLayout, LeaseStore
-from celery_singleflight.connection import UNAVAILABLE_STATES, is_unavailable
-from celery_singleflight.replies import Holder
+from celery_singleflight.connection.clients import UNAVAILABLE_STATES, is_unavailable
+from celery_singleflight.protocol.replies import Holder
 from celery_singleflight.testing import RedisServer, redis_server_binary
 
 from .conftest import IN_CI

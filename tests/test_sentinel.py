@@ -22,9 +22,9 @@ import pytest
 from celery import Celery
 
 from celery_singleflight import SingleFlightTask, StatusReader, hold, store_for
-from celery_singleflight.clients import target_from_settings
-from celery_singleflight.engines import SentinelGroup
-from celery_singleflight.preflight import preflight
+from celery_singleflight.connection.targets import target_from_settings
+from celery_singleflight.testing.engines import SentinelGroup
+from celery_singleflight.worker.preflight import preflight
 
 from .conftest import IN_CI, wait_for
 from .topology_mix import check_outcomes, run_policy_mix

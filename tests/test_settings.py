@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_singleflight import ConfigurationError, KeyTemplateError, SingleFlightTask
-from celery_singleflight.settings import resolve_options
+from celery_singleflight.config.options import resolve_options
 
 REDIS = "redis://127.0.0.1:1/0"  # never connected to: resolving options does no I/O
 
@@ -320,7 +320,10 @@ def test_bad_option_fails_when_the_app_is_finalized():
 from hypothesis import given, settings  # noqa: E402 - grouped with the fuzz tests
 from hypothesis import strategies as st  # noqa: E402
 
-from celery_singleflight.settings import DEFAULTS  # noqa: E402
+from celery_singleflight.config.options import declared  # noqa: E402
+
+#: setting name -> its task option ('' if app-wide only)
+DEFAULTS = {option.name: (option.task or "",) for option in declared() if option.setting}
 
 _any_value = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-10**12, max_value=10**12),

@@ -22,9 +22,9 @@ import redis
 
 import celery_singleflight as sf
 from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, StatusReader, signals
-from celery_singleflight.cli import status_lines, status_table
-from celery_singleflight.progress import ProgressUpdate
-from celery_singleflight.status import KeyStatus, WatchEvent, status_all
+from celery_singleflight.ops.cli import status_lines, status_table
+from celery_singleflight.ops.status import KeyStatus, WatchEvent, status_all
+from celery_singleflight.run.progress import ProgressUpdate
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .conftest import wait_for

@@ -13,14 +13,16 @@ import pytest
 from celery import states as celery_states
 
 import celery_singleflight as sf
-from celery_singleflight import KeyLayout, LeaseStore, Superseded, scripts
-from celery_singleflight.connection import redis_client
+from celery_singleflight import KeyLayout, LeaseStore, Superseded
+from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.fencing import fenced_get, fenced_set
-from celery_singleflight.replies import Acquired, Holder
+from celery_singleflight.protocol.newest import COALESCE, ProgressNotice
+from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import wait_for
+from .lua_sources import SOURCE
 
 
 def started(sfapp: ModuleType, key: str) -> list[int]:
@@ -116,31 +118,33 @@ def test_a_burst_of_ten_supersedes_completes_only_the_last_one_sent(
 def test_supersede_script_run_twice_answers_the_same_and_the_renewal_reports_it(
     redis_server: RedisServer,
 ) -> None:
-    """Given the first reply of every COALESCE (supersede mode) and RENEW_MANY call dropped, the
+    """Given the first reply of every COALESCE (supersede mode) and RENEW call dropped, the
     newcomer that replaced a pending newcomer still learns which (so it ends it), the holder is
     marked once with the first supersede's time and the newest newcomer, and its renewal answers
     2 (renewed, superseded)."""
     with FaultProxy(redis_server.port) as proxy:
-        proxy.add_rule(DROP_REPLY, script=scripts.COALESCE, first_time_only=True)
-        proxy.add_rule(DROP_REPLY, script=scripts.RENEW_MANY, first_time_only=True)
+        proxy.add_rule(DROP_REPLY, script=SOURCE["COALESCE"], first_time_only=True)
+        proxy.add_rule(DROP_REPLY, script=SOURCE["RENEW"], first_time_only=True)
         store = LeaseStore(redis_client(proxy.url(2)), KeyLayout(f"sup-{uuid.uuid4().hex[:6]}"))
         token = uuid.uuid4().hex
         got = store.acquire("k", token, 10, Holder("old"))
         assert isinstance(got, Acquired)
         grace = {"supersede_grace": 5.0, "supersede_signal": "SIGTERM"}
-        assert store.coalesce("k", "new1", "h1", '{"n": 1}', "supersede", "1", 0.5, **grace) == ()
+        assert store.newest.coalesce("k", "new1", "h1", '{"n": 1}', "supersede", "1", **grace) == ()
         first = store.record("k")
         assert first["sup_by"] == "new1" and int(first["sup_due"]) - int(first["sup_at"]) == 5000
-        assert store.coalesce("k", "new2", "h2", '{"n": 2}', "supersede", "2", 0.5, **grace) == ('{"n": 1}',)
+        second = store.newest.coalesce("k", "new2", "h2", '{"n": 2}', "supersede", "2", **grace)
+        assert second == ('{"n": 1}',)
         marked = store.record("k")
         assert marked["sup_by"] == "new2" and marked["sup_at"] == first["sup_at"]  # the grace is not reset
-        assert store.coalesce("k", "new0", "h0", '{"n": 0}', "supersede", "0", 0.5, **grace) == "new2"
-        assert store.due_superseding() == [] and store.client.zscore(store.layout.superseding(), "k")
+        assert store.newest.coalesce("k", "new0", "h0", '{"n": 0}', "supersede", "0", **grace) == "new2"
+        assert store.newest.due_superseding() == [] and store.client.zscore(store.layout.superseding(), "k")
 
-        lease = SimpleNamespace(key="k", token=token, slot=0, ttl=10.0, store=store)
+        lease = SimpleNamespace(key="k", token=token, slot=0, ttl=10.0, store=store, layout=store.layout)
         assert store.renew([lease]) == [2]  # type: ignore[list-item]
         # a progress write tells the holder too, before its next renewal (and is written)
-        assert store.progress("k", 0, token, '{"state": "x"}', "x", 1) == "new2"
+        written = store.lease.progress("k", 0, token, '{"state": "x"}', "x", 1)
+        assert written == (ProgressNotice.WRITTEN_SUPERSEDED, "new2")
         assert store.record("k")["state"] == "x"
         settlement = store.release("k", token, "failed", fence=got.fence)
         assert settlement.handoff == '{"n": 2}'
@@ -158,7 +162,7 @@ def test_the_revoke_happens_even_if_the_newcomers_process_died_before_indexing_i
     newcomer, handed the key by that release, runs."""
     from kombu.utils.json import dumps
 
-    from celery_singleflight.messages import HEADER_HANDOFF
+    from celery_singleflight.run.messages import HEADER_HANDOFF
 
     q = start_worker(concurrency=2).queue  # type: ignore[operator]
     task = sfapp.superseding
@@ -170,8 +174,9 @@ def test_the_revoke_happens_even_if_the_newcomers_process_died_before_indexing_i
     store, key = task.store, task.render_key("orphan", 0)
     layout = store.layout
     # what SUPERSEDE does in the newcomer's process, without the index entry that follows it
-    store._coalesce(keys=[layout.run(key), layout.queue(key), layout.parked(key), layout.coalesce(key)],
-                    args=[f"{newcomer_id}|{handoff}", message, "supersede", 1, "", 2000, "SIGTERM"])
+    store.ctx.script(COALESCE)(
+        keys=[layout.run(key), layout.queue(key), layout.parked(key), layout.coalesce(key)],
+        args=[f"{newcomer_id}|{handoff}", message, "supersede", 1, "", 2000, "SIGTERM"])
     assert store.client.zscore(layout.superseding(), key) is None
     wait_for(lambda: store.client.zscore(layout.superseding(), key), timeout=5)  # the holder's heartbeat
     assert wait_for(lambda: holder.state == celery_states.REVOKED, timeout=15)

@@ -23,11 +23,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_singleflight import KeyLayout, LeaseStore, StatusReader
-from celery_singleflight.acl import LIBRARY_COMMANDS
-from celery_singleflight.clients import build_client, target_from_settings
-from celery_singleflight.connection import redis_client
-from celery_singleflight.engines import TlsFiles, TlsRedisServer, make_tls_files
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.connection.targets import build_client, target_from_settings
+from celery_singleflight.ops.acl import LIBRARY_COMMANDS
 from celery_singleflight.testing import RedisServer
+from celery_singleflight.testing.engines import TlsFiles, TlsRedisServer, make_tls_files
 
 from .conftest import IN_CI, TESTS, worker_env
 from .topology_mix import check_outcomes, run_policy_mix
@@ -73,7 +73,7 @@ def cli_acl(redis_server: RedisServer, lease_url: str, options: dict[str, Any], 
 def test_acl_command_prints_the_documented_rule(redis_server: RedisServer, tls_redis: TlsRedisServer) -> None:
     line = cli_acl(redis_server, f"{tls_redis.url}/0", tls_redis.tls.transport_options(), "--user", "u1")
     assert line.startswith("ACL SETUSER u1 reset on >PASSWORD ~sf:{* ~sf:waiting ~sf:superseding "
-                           "~sf:ordering resetchannels -@all ")
+                           "~sf:ordering ~sf:protocol resetchannels -@all ")
     assert line.endswith(" ".join(f"+{c}" for c in LIBRARY_COMMANDS))
     documented = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
     assert line.replace("u1", "singleflight", 1) in documented

@@ -94,7 +94,7 @@ def test_unbound_task_uses_its_function_signature(sfapp: ModuleType, shared_work
 def test_worker_start_warns_when_the_lease_redis_may_evict_leases(sfapp: ModuleType) -> None:
     """Given a private lease Redis with maxmemory and an allkeys-lru policy, the worker-start check
     warns; with noeviction it does not."""
-    from celery_singleflight.preflight import preflight
+    from celery_singleflight.worker.preflight import preflight
 
     def eviction_warnings() -> list[str]:
         found = preflight(sfapp.app)

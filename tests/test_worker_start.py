@@ -17,16 +17,17 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_singleflight import SingleFlightTask, scripts
-from celery_singleflight.connection import redacted_url
-from celery_singleflight.preflight import (
-    MAX_CLOCK_SKEW,
+from celery_singleflight import SingleFlightTask
+from celery_singleflight.connection.clients import redacted_url
+from celery_singleflight.constants import MAX_CLOCK_SKEW
+from celery_singleflight.protocol.store import SCRIPTS
+from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
+from celery_singleflight.worker.preflight import (
     Finding,
     clock_finding,
     clock_skew,
     preflight,
 )
-from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
 from .conftest import TESTS, wait_for, worker_env
 from .test_isolation import PASSWORD, acl_rule, denied
@@ -39,7 +40,7 @@ SUMMARY = re.compile(
 
 
 def lease_scripts() -> list[str]:
-    return list(scripts.ALL_SCRIPTS)
+    return [script.source for script in SCRIPTS]
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +279,47 @@ def test_noperm_for_a_command_every_run_needs_is_a_refusal(command: str) -> None
         findings = preflight(small_app(f"redis://sf-short:{PASSWORD}@127.0.0.1:{acl.port}/0"))
     (refusal,) = [f for f in findings if f.refusal]
     assert f"refuses the '{command}' command to user sf-short (NOPERM)" in refusal.message
+
+
+@pytest.mark.parametrize(("mark", "reads"), [("3", False), ("1", True)])
+def test_a_worker_of_another_protocol_version_in_the_namespace_is_one_warning(
+    mark: str, reads: bool
+) -> None:
+    """A worker marks its protocol version in ``<namespace>:protocol`` at its start; a worker
+    that finds another version there warns, naming both versions and whether it reads the
+    other's records. The mark keeps the highest version."""
+    with RedisServer() as lease:
+        app = small_app(f"{lease.url}/0")
+        assert by_check(preflight(app), "protocol") == []
+        assert lease.client().get("sf:protocol") == b"2"
+        lease.client().set("sf:protocol", mark)
+        (warning,) = by_check(preflight(app), "protocol")
+        assert warning.level == logging.WARNING
+        assert f"protocol version {mark} started in namespace 'sf'" in warning.message
+        assert "this worker speaks version 2" in warning.message
+        assert ("this worker reads its records" in warning.message) is reads
+        assert lease.client().get("sf:protocol") == (b"3" if mark == "3" else b"2")
+
+
+@pytest.mark.worker
+def test_a_run_whose_key_holds_a_record_of_another_version_is_resent_not_run(
+    sfapp: ModuleType, redis_server: RedisServer, start_worker: Any
+) -> None:
+    """Given a record written by a future protocol (version 3) on a task's key, the worker does
+    not run the task unguarded: it logs one error naming both versions, re-sends the run, and
+    the run happens once the foreign record is gone."""
+    worker = start_worker(concurrency=1, env={"SF_TEST_REDIS_RETRY": "0.3"})
+    leases = redis_server.client(2)
+    run_key = sfapp.hold_raise.store.layout.run("k:pv-1")
+    foreign = '{"v":"3","token":"t","fence":"5","since":"1","deadline":"99999999999999","state":"running"}'
+    leases.set(run_key, foreign)
+    result = sfapp.hold_raise.apply_async(("pv-1", 0.01), queue=worker.queue)
+    wait_for(lambda: worker.log().count("protocol version 3") >= 2, timeout=30)
+    log = worker.log()
+    assert "key 'k:pv-1'" in log and "version 3" in log and "version 2" in log, log
+    assert "(not run unguarded)" in log
+    assert sfapp.recorder.lrange("runs:pv-1", 0, -1) == []
+    assert leases.get(run_key) == foreign.encode()
+    leases.delete(run_key)
+    assert result.get(timeout=30)["key"] == "pv-1"
+    assert len(sfapp.recorder.lrange("runs:pv-1", 0, -1)) == 1

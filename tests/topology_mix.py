@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from celery_singleflight import LockHeld, StatusReader
-from celery_singleflight.outcome import is_skipped
+from celery_singleflight.policies.duplicates import is_skipped
 
 from .conftest import wait_for
 

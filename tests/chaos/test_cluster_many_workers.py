@@ -31,8 +31,8 @@ import pytest
 from redis.cluster import RedisCluster
 
 from celery_singleflight import StatusReader, is_skipped, store_for
-from celery_singleflight.engines import RedisClusterServers
 from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing.engines import RedisClusterServers
 
 from ..conftest import IN_CI
 from .conftest import Workers, interval_overlaps, overlaps, runs

@@ -55,7 +55,7 @@ def test_broker_redelivers_a_running_task(
     assert "redelivery" in log
     assert overlaps(chaos) == []
     # the copy the redelivery kept in case the first delivery's worker died was dropped by its release
-    assert chaos.long_run.store.queued(key) == 0
+    assert chaos.long_run.store.handoff.queued(key) == 0
     assert not chaos.long_run.store.client.exists(chaos.long_run.store.layout.parked(key))
     wait_for(lambda: sf.held(chaos.app) == [], timeout=5)
 
@@ -107,5 +107,5 @@ def test_task_whose_redelivery_was_turned_away_still_survives_its_worker_dying(
     })
     assert [r["task_id"] for r in body] == [result.id, result.id]
     assert overlaps(chaos) == []
-    assert chaos.long_run.store.queued(key) == 0
+    assert chaos.long_run.store.handoff.queued(key) == 0
     wait_for(lambda: sf.held(chaos.app) == [], timeout=5)

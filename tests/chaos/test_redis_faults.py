@@ -35,9 +35,10 @@ import redis
 from celery.result import AsyncResult
 
 import celery_singleflight as sf
-from celery_singleflight import LockHeld, hold, scripts
+from celery_singleflight import LockHeld, hold
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
+from ..lua_sources import SOURCE
 from .conftest import CHAOS, ROOT, wait_for
 from .faultproxy import CUT_AFTER_SEND, DROP_REPLY, Action, FaultProxy, error_reply, stall_reply
 
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.worker
 
 QUEUE = f"lost-replies-{uuid.uuid4().hex[:8]}"
 #: the scripts a workload runs (FORCE_RELEASE and REVISE_OUTCOME are an operator's and a revoke's)
-SCRIPTS = ("ACQUIRE", "RELEASE", "RENEW_MANY", "PROGRESS", "PARK", "JOIN", "NOTE_DUPLICATE",
+SCRIPTS = ("ACQUIRE", "RELEASE", "RENEW", "PROGRESS", "PARK", "JOIN", "NOTE_DUPLICATE",
            "ENQUEUE_MARK", "CLEAR_MARK", "RESUME")
 
 
@@ -255,7 +256,7 @@ def assert_no_false_redelivery(worker: WorkerProcess, tag: str) -> None:
 
 
 def _arm(proxy: FaultProxy, name: str, action: Action) -> Any:
-    return proxy.add_rule(action, script=getattr(scripts, name), first_time_only=True)
+    return proxy.add_rule(action, script=SOURCE[name], first_time_only=True)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -296,7 +297,7 @@ def test_a_reply_held_past_the_socket_timeout(
 ) -> None:
     """A stalled reply (as behind a server busy for longer than the client's 5 s socket timeout):
     the client gives up on it and sends the call again; the first run's effect stands."""
-    rule = proxy.add_rule(stall_reply(6.0), script=getattr(scripts, script), first_time_only=True, times=3)
+    rule = proxy.add_rule(stall_reply(6.0), script=SOURCE[script], first_time_only=True, times=3)
     expects = run_workloads(replyapp, f"stall-{script.lower()}", hold_s=9.0)
     settle(replyapp, expects, figures, timeout=90)
     if script == "ACQUIRE":
@@ -367,7 +368,7 @@ def test_a_server_state_that_refuses_for_now_is_waited_out_or_run_open(
     """Given Redis answering ``state`` to the first acquires, then a ``fail_closed`` task is re-sent
     (RETRY) and runs once Redis answers, and a ``fail_open`` task runs unguarded with a warning;
     neither fails with Redis's raw message."""
-    rule = proxy.add_rule(error_reply(STATES[state]), script=scripts.ACQUIRE, times=6)
+    rule = proxy.add_rule(error_reply(STATES[state]), script=SOURCE["ACQUIRE"], times=6)
     key = f"state-{state.lower()}"
     closed = replyapp.queue.apply_async((key,), queue=QUEUE)
     opened = replyapp.fail_open.apply_async((f"{key}-open",), queue=QUEUE)
@@ -387,7 +388,7 @@ def test_a_refused_permission_stays_loud(
     """A NOPERM (an ACL that lacks a command) is a configuration problem: the task fails at once
     with Redis's error, is not retried as an outage, and never runs unguarded, not even fail_open."""
     proxy.add_rule(error_reply("NOPERM this user has no permissions to run the 'evalsha' command"),
-                   script=scripts.ACQUIRE, times=2)
+                   script=SOURCE["ACQUIRE"], times=2)
     closed = replyapp.queue.apply_async(("noperm",), queue=QUEUE)
     opened = replyapp.fail_open.apply_async(("noperm-open",), queue=QUEUE)
     for result in (closed, opened):

@@ -11,11 +11,12 @@ import time
 import uuid
 from pathlib import Path
 
-from celery_singleflight import debounce, ratelimit
-from celery_singleflight.acl import LIBRARY_COMMANDS, TIME_POLICY_COMMANDS
-from celery_singleflight.store import store_for
+from celery_singleflight.ops.acl import LIBRARY_COMMANDS, TIME_POLICY_COMMANDS
+from celery_singleflight.ops.timestatus import read_time_status
+from celery_singleflight.policies import debounce, ratelimit
+from celery_singleflight.protocol.store import store_for
+from celery_singleflight.protocol.timing import DueReply
 from celery_singleflight.testing import RedisServer
-from celery_singleflight.timestatus import read_time_status
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "isolation.md"
 
@@ -41,10 +42,8 @@ def test_the_documented_acl_and_its_time_policy_commands_are_enough(redis_server
         debounce.record(store, "k", "a", deb, (1,), {})
         debounce.record(store, "k", "b", deb, (2,), {})
         time.sleep(0.1)
-        due = debounce._script(store, debounce.DUE_SCRIPT)
-        keys = [store.layout.debounce("k"), store.layout.debounced("k")]
-        assert due(keys=keys, args=["a", "a", 1000, 60000, "t1"])[0] == b"run"
-        assert due(keys=keys, args=["b", "a", 1000, 60000, "t2"])[0] == b"folded"
+        assert store.timing.due("k", "a", "a", "t1").kind == DueReply.RUN
+        assert store.timing.due("k", "b", "a", "t2").kind == DueReply.FOLDED
         seen = read_time_status(store, "k")
         assert seen.rate is not None and seen.rate.planned == 1
         assert admin.execute_command("ACL", "LOG") == []

@@ -11,8 +11,8 @@ from types import ModuleType
 import pytest
 
 from celery_singleflight import ConfigurationError, SingleFlightTask
-from celery_singleflight.debounce import Debounce, is_debounced, record
-from celery_singleflight.store import store_for
+from celery_singleflight.policies.debounce import Debounce, is_debounced, record
+from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing import RedisServer
 
 from .conftest import starts
@@ -135,7 +135,7 @@ def test_lost_replies_of_the_debounce_scripts_change_nothing(redis_server: Redis
     sends it again), then the call is folded once and the run is decided once: the replay of the
     close answers 'run' with the same payload to the same task id (and a second delivery of that
     message, another execution, is told it is one)."""
-    from celery_singleflight import debounce
+    from celery_singleflight.protocol.timing import DEBOUNCE_CALL, DEBOUNCE_DUE, DueReply
 
     from ..chaos.faultproxy import DROP_REPLY, FaultProxy
 
@@ -143,22 +143,21 @@ def test_lost_replies_of_the_debounce_scripts_change_nothing(redis_server: Redis
         store = store_for(proxy.url(2), f"dbf{uuid.uuid4().hex[:8]}")
         deb = Debounce(0.2, None, "last", None)
         record(store, "k", "a", deb, (1,), {})  # the server knows the script now
-        call_rule = proxy.add_rule(DROP_REPLY, script=debounce.CALL_SCRIPT, first_time_only=True)
+        call_rule = proxy.add_rule(DROP_REPLY, script=DEBOUNCE_CALL.source, first_time_only=True)
         assert record(store, "k", "b", deb, (2,), {})[0] == "a"
         assert call_rule.faulted == 1 and call_rule.matched == 2
         assert int(store.client.hget(store.layout.debounce("k"), "count")) == 2
         time.sleep(0.25)
-        due = debounce._script(store, debounce.DUE_SCRIPT)
-        keys = [store.layout.debounce("k"), store.layout.debounced("k")]
-        due(keys=keys, args=["zzz", "nobody", 1000, 60000, "t0"])  # loads the script
-        due_rule = proxy.add_rule(DROP_REPLY, script=debounce.DUE_SCRIPT, first_time_only=True)
-        reply = due(keys=keys, args=["a", "a", 1000, 60000, "t1"])
+        store.timing.due("k", "zzz", "nobody", "t0")  # loads the script
+        due_rule = proxy.add_rule(DROP_REPLY, script=DEBOUNCE_DUE.source, first_time_only=True)
+        due = store.timing.due("k", "a", "a", "t1")
         assert due_rule.faulted == 1 and due_rule.matched == 2
-        assert reply[0] == b"run" and b"[2]" in reply[1] and reply[2] == 2 and reply[4] == 1
+        assert due.kind == DueReply.RUN and "[2]" in due.payload and due.calls == 2 and due.closed_here
         assert store.client.hget(store.layout.debounced("k"), "ran") == b"a"
-        assert due(keys=keys, args=["b", "a", 1000, 60000, "t2"])[:2] == [b"folded", b"a"]
+        folded = store.timing.due("k", "b", "a", "t2")
+        assert (folded.kind, folded.into) == (DueReply.FOLDED, "a")
         # the same message delivered a second time (another execution) is told so; the lease decides
-        assert due(keys=keys, args=["a", "a", 1000, 60000, "t3"])[4] == 0
+        assert not store.timing.due("k", "a", "a", "t3").closed_here
 
 
 def test_a_debounce_key_of_its_own_groups_calls_apart_from_the_lock_key(

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from celery_singleflight import ConfigurationError, SingleFlightTask
-from celery_singleflight.ratelimit import parse_rate, reserve
-from celery_singleflight.store import store_for
+from celery_singleflight.policies.ratelimit import parse_rate, reserve
+from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .conftest import starts
@@ -157,7 +157,7 @@ def test_a_lost_reply_of_the_rate_script_does_not_take_two_cells(redis_server: R
     """Given the rate script's first reply dropped (it ran; redis-py sends it again), then the
     call gets one cell: the server ran the script twice, one cell is planned for the call id, and
     the next call is planned one interval later, not two."""
-    from celery_singleflight.ratelimit import RATE_SCRIPT
+    from celery_singleflight.protocol.timing import RATE
 
     from ..chaos.faultproxy import DROP_REPLY, FaultProxy
 
@@ -166,7 +166,7 @@ def test_a_lost_reply_of_the_rate_script_does_not_take_two_cells(redis_server: R
         rate = parse_rate("t", "2/s", 1)
         assert rate is not None
         reserve(store, "warm", rate, "call-0")  # the server knows the script: no NOSCRIPT round
-        rule = proxy.add_rule(DROP_REPLY, script=RATE_SCRIPT, first_time_only=True)
+        rule = proxy.add_rule(DROP_REPLY, script=RATE.source, first_time_only=True)
         first = reserve(store, "k", rate, "call-1")
         assert rule.faulted == 1 and rule.matched == 2  # ran, reply lost, sent again
         assert first.wait == 0

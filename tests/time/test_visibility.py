@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight import debounce, ratelimit
+from celery_singleflight.policies import debounce, ratelimit
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from ..conftest import worker_env
@@ -32,7 +32,7 @@ def test_time_status_shows_the_burst_and_the_next_free_slot(
     rate state (next free slot 3 minutes ahead, 2 runs planned), and the CLI's show prints both."""
     redis_server.client(2).flushdb()
     settled, paced = timeapp.settled, timeapp.paced
-    deb = settled._sf_debounce
+    deb = settled._sf_defined[debounce.Debouncing]
     for n in range(3):
         debounce.record(settled.store, "deb:v", f"call-{n}", deb, ("v", n), {})
     rate = ratelimit.parse_rate("t", "1/m", 1)
