@@ -221,3 +221,51 @@ def test_every_redis_command_goes_through_the_protocol_package() -> None:
                 if any(word in receiver for word in ("client", "redis", "conn", "store.client")):
                     found.append(f"{name}: {ast.unparse(node)}")
     assert found == []
+
+
+def report() -> None:
+    """Print the figures the limits above hold: ``python tests/test_structure.py [PACKAGE_DIR]``
+    (another checkout's package directory measures that one the same way)."""
+    modules = _modules()
+    folders: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        folder = str(path.parent.relative_to(PACKAGE)).replace(".", "(top)")
+        folders[folder] = folders.get(folder, 0) + 1
+    sizes = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
+             for path in PACKAGE.rglob("*.py")}
+    functions = {f"{name}:{node.name}": (node.end_lineno or node.lineno) - node.lineno + 1
+                 for name, tree in modules.items() for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    task = next(node for node in modules["task"].body
+                if isinstance(node, ast.ClassDef) and node.name == "SingleFlightTask")
+    known = set(modules)
+    top = {name: _imports(name, tree, known, top_level=True) for name, tree in modules.items()}
+    floors: dict[str, int] = {}
+
+    def floor(name: str) -> int:
+        if name not in floors:
+            floors[name] = 0  # a circle (the test above fails on it) counts once
+            floors[name] = 1 + max((floor(dep) for dep in top[name] if dep != "__init__"), default=0)
+        return floors[name]
+
+    largest = max(sizes, key=sizes.__getitem__)
+    longest = max(functions, key=functions.__getitem__)
+    print(f"modules per folder: {dict(sorted(folders.items()))} ({sum(folders.values())} in all)")
+    print(f"largest module: {largest}, {sizes[largest]} lines; longest function: {longest}, "
+          f"{functions[longest]} lines; SingleFlightTask: {(task.end_lineno or 0) - task.lineno + 1} lines")
+    lua = [len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.lua")]
+    print(f"Lua files: {len(lua)}, the largest {max(lua, default=0)} lines")
+    for feature in FEATURES:
+        naming = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                        if path.name != "__init__.py" and feature in _code(path))
+        print(f"modules naming {feature!r} in code: {len(naming)} {naming}")
+    print(f"import floors (the longest chain of top-level imports, the package's __init__ aside): "
+          f"{max(floor(name) for name in modules if name != '__init__')}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1:
+        PACKAGE = Path(sys.argv[1]).resolve()
+    report()
