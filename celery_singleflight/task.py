@@ -13,7 +13,7 @@ is taken in ``__call__``, before the body runs (a ``task_prerun`` receiver canno
 released in its ``finally`` (success, failure, Retry, Ignore, Reject, soft time limit).
 ``self.retry()`` releases first, so the retry is never its own duplicate. Ends that run no code
 in the pool child (SIGKILL, hard time limit, revoke with ``terminate=True``) are released by the
-worker's main process (:mod:`.worker`). Every option is declared once, with the feature that
+worker's main process (:mod:`.worker.bootstep`). Every option is declared once, with the feature that
 owns it (:mod:`.config`); the configuration page lists them all.
 """
 

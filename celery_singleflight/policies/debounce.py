@@ -48,7 +48,7 @@ from ..keys import KeyFunction, compile_key
 from ..protocol.store import LeaseStore
 from ..protocol.timing import ACL_COMMANDS, DebounceState, DueReply
 from ..run.events import send_task_event
-from ..run.messages import header
+from ..run.messages import header, send_again
 from ..run.stage import Ended, Run, Send, Stage
 from ..states import DEBOUNCED
 
@@ -191,10 +191,7 @@ def _resend(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown:
     meta: dict[str, Any] = {"key": key, "leader": leader, "calls": calls, "planned": round(planned, 3)}
     if not (request.ignore_result or task.ignore_result):
         task.backend.store_result(task_id, meta, DEBOUNCED)
-    headers = {**(request.headers or {}), HEADER_LEADER: leader}
-    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, retries=request.retries,
-                                      headers=headers)
-    sig.apply_async()
+    send_again(task, args, kwargs, countdown, **{HEADER_LEADER: leader})
     send_task_event(task.app, "task-debounced", request.hostname, uuid=task_id, **meta)
 
 

@@ -35,12 +35,13 @@ from .. import constants
 from ..config.option import Option, OptionGroup, anything
 from ..errors import ConfigurationError, Throttled
 from ..protocol.store import LeaseStore
-from ..protocol.timing import ACL_COMMANDS, RateState
+from ..protocol.timing import ACL_COMMANDS
 from ..run.events import send_task_event
+from ..run.messages import send_again
 from ..run.stage import Ended, Run, Stage
 
-__all__ = ["PLANNED_ATTR", "Rate", "RateLimit", "RateOptions", "RateState", "Slot", "admit", "parse_rate",
-           "rate_state", "reserve"]
+__all__ = ["PLANNED_ATTR", "Rate", "RateLimit", "RateOptions", "Slot", "admit", "parse_rate",
+           "reserve"]
 
 log = logging.getLogger("celery_singleflight.ratelimit")
 
@@ -137,13 +138,6 @@ def reserve(store: LeaseStore, key: str, rate: Rate, call_id: str) -> Slot:
     return Slot(planned / 1_000_000, 0.0 if wait <= constants.RATE_EARLY_ALLOWANCE else wait, fresh)
 
 
-def rate_state(store: LeaseStore, key: str, now: float | None = None) -> RateState | None:
-    """When a new run of ``key`` would start, and how many runs wait for a planned cell; None
-    when the key is idle (no run started within one interval)."""
-    now_us = round((mod_time.time() if now is None else now) * 1_000_000)
-    return store.timing.state(key, key, now_us)[1]
-
-
 def admit(task: Any, store: LeaseStore, key: str, rate: Rate, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> Slot:
     """Take the current run's cell. If it is in the future, re-send the run with that countdown
@@ -161,9 +155,7 @@ def admit(task: Any, store: LeaseStore, key: str, rate: Rate, args: tuple[Any, .
     # the state first: once sent, the run may start and store its own result at any moment
     if not (request.ignore_result or task.ignore_result):
         task.backend.store_result(task_id, meta, "RETRY")
-    sig = task.signature_from_request(request, args, kwargs, countdown=slot.wait, retries=request.retries,
-                                      headers=dict(request.headers or {}))
-    sig.apply_async()
+    send_again(task, args, kwargs, slot.wait)
     send_task_event(task.app, "task-retried", request.hostname, uuid=task_id, exception=repr(meta),
                     traceback="", timestamp=mod_time.time())
     raise Ignore()

@@ -101,7 +101,7 @@ class Guard:
         got = self.store.acquire(self.key, self.token, opts.ttl, self.holder, handoff=handoff,
                                  earlier=earlier, slots=opts.max_concurrency)
         # the lease counts from the send of the attempt that answered (a lost reply is sent again,
-        # and the second run renews the lease: see scripts.ACQUIRE)
+        # and the second run renews the lease: see protocol/lua/lease/acquire.lua)
         self._asked = last_attempt_sent(asked)
         if isinstance(got, Held) and got.handoff is not None:
             settle(self.app, Settlement(True, got.handoff),

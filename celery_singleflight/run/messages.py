@@ -32,6 +32,7 @@ __all__ = [
     "header",
     "message_of",
     "resend",
+    "send_again",
     "wait_state",
 ]
 
@@ -64,17 +65,24 @@ def message_of(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **heade
     return message
 
 
+def send_again(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown: float,
+               **headers: Any) -> Any:
+    """Send the current message again after ``countdown`` seconds: the same task id, ``retries``
+    unchanged, its headers plus ``headers``. Returns the signature sent."""
+    request = task.request
+    merged = {**(request.headers or {}), **headers}
+    sig = task.signature_from_request(request, args, kwargs, countdown=countdown, retries=request.retries,
+                                      headers=merged)
+    sig.apply_async()
+    return sig
+
+
 def resend(
     task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], delay: float, first_seen: float, attempt: int,
     error: Exception, **headers: Any,
 ) -> NoReturn:
     """Re-send the current message after ``delay`` without spending the task's ``max_retries``;
     the run ends as ``RETRY`` (Celery acknowledges the message it came from)."""
-    request = task.request
-    merged = dict(request.headers or {})
-    merged.update({HEADER_FIRST_SEEN: first_seen, HEADER_ATTEMPT: attempt, **headers})
-    sig = task.signature_from_request(
-        request, args, kwargs, countdown=delay, retries=request.retries, headers=merged
-    )
-    sig.apply_async()
+    waited = {HEADER_FIRST_SEEN: first_seen, HEADER_ATTEMPT: attempt, **headers}
+    sig = send_again(task, args, kwargs, delay, **waited)
     raise Retry(exc=error, when=delay, sig=sig)

@@ -42,6 +42,17 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
+def stop_process(proc: subprocess.Popen[Any] | None) -> None:
+    """SIGTERM a process this helper started (SIGKILL if it is still there after 10 s), and reap it."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def _child_setup() -> Callable[[], None] | None:
     """``preexec_fn`` for a started process: :func:`_stop_with_parent` on Linux when started from
     the main thread. The kernel sends that signal when the starting *thread* ends, so a process
@@ -134,13 +145,7 @@ class RedisServer:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self.proc = None
 
     def pause(self) -> None:

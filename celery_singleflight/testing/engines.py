@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from . import RedisServer, _child_setup, redis_server_binary
+from . import RedisServer, _child_setup, redis_server_binary, stop_process
 
 __all__ = [
     "RedisClusterServers", "SentinelGroup", "TlsFiles", "TlsRedisServer", "cluster_port", "make_tls_files",
@@ -233,13 +233,7 @@ class _Sentinel:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5, socket_timeout=2)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self.proc = None
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -200,13 +200,3 @@ def choose_run(
 def option(*names: str, **kwargs: Any) -> Callable[[_F], _F]:
     return click.option(*names, cls=CeleryOption, help_group=_GROUP, **kwargs)
 
-
-_json_option = option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-_slot_option = option(
-    "--slot", type=click.IntRange(min=0), default=None, metavar="N",
-    help="The run on slot N of a max_concurrency > 1 key (0 is the first; see `ls`).",
-)
-_holder_option = option(
-    "--holder", default=None, metavar="TASK_ID",
-    help="The run of task TASK_ID, on whichever slot of the key it holds.",
-)
