@@ -81,7 +81,7 @@ class ParkReply(Replies):
 
 class JoinReply(Replies):
     FREE = -1, "{FREE}: the key is free (acquire again)"
-    JOINED = 1, "{JOINED, runs joined, holder task id, ms until its lease runs out}"
+    JOINED = 1, "{JOINED, runs joined, holder task id, ms until its lease runs out (0: it ended)}"
 
 
 class ResumeReply(Replies):
@@ -143,7 +143,8 @@ class HandoffCalls(Feature):
         or None if the key is free now (acquire again). The key is entered in the waiting index,
         so a holder that dies leaves its joined runs to the sweeper."""
         layout = self.ctx.layout
-        reply = self.ctx.script(JOIN)(keys=[layout.run(key), layout.key(JOINED, key)], args=[message])
+        keys = [layout.run(key), layout.key(JOINED, key), layout.key(SETTLED, key)]
+        reply = self.ctx.script(JOIN)(keys=keys, args=[message])
         if int(reply[0]) == JoinReply.FREE:
             return None
         self._waiting_due(key, max(0, int(reply[3])) / 1000.0 + constants.RESUME_GRACE)
@@ -202,7 +203,7 @@ class HandoffCalls(Feature):
             keys=[*layout.runs(key, slots), layout.history(key, slot), layout.key(QUEUE, key),
                   layout.key(PARKED, key), layout.key(JOINED, key), layout.key(SETTLED, key)],
             args=[by, self.ctx.keep_ms, self.ctx.history_length, expected_holder, slot + 1, slots, ms(ttl),
-                  "1" if hand_on else "0"],
+                  "1" if hand_on else "0", uuid.uuid4().hex],
         )
         refuse_foreign(key, reply)
         if int(reply[0]) == ForceReleaseReply.NOT_HELD:

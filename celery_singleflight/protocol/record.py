@@ -12,7 +12,7 @@ The core fields are declared here; the fields of one feature in its protocol mod
 (:class:`~.handoff.HandoffFields`, :class:`~.marks.DuplicateFields`,
 :class:`~.newest.NewestFields`). :class:`RunRecord` has them all: it is the table
 (:meth:`RunRecord.fields`, :func:`fields_table` for the docs), and the only way Python reads a
-record. ``tests/test_record_fields.py`` fails when a script writes, or a module reads, a field
+record. ``tests/test_protocol.py`` fails when a script writes, or a module reads, a field
 that is not declared here, or when a declared writer or reader no longer does.
 """
 
@@ -76,8 +76,8 @@ class LeaseFields(RecordBase):
     pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),
                 readers=("ops.keystatus", "worker.bootstep"))
     rt = Field(TEXT, "the token of the release that ended the last run: a replay of that release finds it"
-               " and answers as it did", writers=_RECORD_WRITERS,
-               readers=("worker.bootstep", "worker.sweeper"))
+               " and answers as it did (JOIN looks there for a run it joined)", writers=_RECORD_WRITERS,
+               readers=("JOIN", "worker.bootstep", "worker.sweeper"))
     lost = Field(TEXT, "the fences of the last runs whose lease ran out unreleased (comma-separated): a"
                  " late release learns it lost the key", writers=_RECORD_WRITERS, readers=())
     prev_task_id = Field(TEXT, "who ran on the slot before this run", writers=_RECORD_WRITERS,

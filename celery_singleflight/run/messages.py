@@ -11,12 +11,17 @@ own ``max_retries``) and carries the library's headers:
   if that attempt did take the key, the re-sent run takes it over instead of waiting for itself;
 - :data:`HEADER_SENT`: when ``apply_async`` sent the run (nanoseconds, the sender's clock), put
   on by tasks whose policy needs "newest" (``coalesce``); a re-sent message keeps it;
-- :data:`HEADER_SEQ`: the per-key sequence number of an ``ordered=True`` send.
+- :data:`HEADER_SEQ`: the per-key sequence number of an ``ordered=True`` send;
+- :data:`HEADER_REJOIN`: put on a joined run that is sent to run itself (the run it joined was a
+  ``hold()``, which has no result), so that if it joins again, its message differs from the one
+  the hold's release took (a re-sent JOIN finds that one, and answers as its first run did).
 """
 
 from __future__ import annotations
 
+import json
 import time as mod_time
+import uuid
 from typing import Any, NoReturn
 
 from celery.exceptions import Retry
@@ -27,10 +32,12 @@ __all__ = [
     "HEADER_EARLIER",
     "HEADER_FIRST_SEEN",
     "HEADER_HANDOFF",
+    "HEADER_REJOIN",
     "HEADER_SENT",
     "HEADER_SEQ",
     "header",
     "message_of",
+    "rejoined",
     "resend",
     "send_again",
     "wait_state",
@@ -42,6 +49,7 @@ HEADER_HANDOFF = "singleflight_handoff"
 HEADER_EARLIER = "singleflight_earlier"
 HEADER_SENT = "singleflight_sent"
 HEADER_SEQ = "singleflight_seq"
+HEADER_REJOIN = "singleflight_rejoin"
 
 
 def header(request: Any, name: str) -> Any:
@@ -63,6 +71,15 @@ def message_of(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **heade
     sig = task.signature_from_request(request, args, kwargs, retries=request.retries, headers=merged)
     message: str = dumps(dict(sig))  # type: ignore[no-untyped-call]
     return message
+
+
+def rejoined(message: str) -> str:
+    """A joined run's ``message``, to be sent to run itself: with a :data:`HEADER_REJOIN` of its own."""
+    data = json.loads(message)
+    options = data.setdefault("options", {})
+    options["headers"] = {**(options.get("headers") or {}), HEADER_REJOIN: uuid.uuid4().hex}
+    rewritten: str = dumps(data)  # type: ignore[no-untyped-call]
+    return rewritten
 
 
 def send_again(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown: float,

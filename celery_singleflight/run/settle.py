@@ -29,6 +29,7 @@ from .. import signals
 from ..errors import LeaseLost
 from ..protocol.replies import Settlement
 from .events import send_task_event
+from .messages import rejoined
 
 __all__ = ["NO_RESULT", "Ending", "answer_joined", "send_parked", "settle"]
 
@@ -79,7 +80,7 @@ def settle(app: Any, settlement: Settlement, ending: Ending) -> None:
         send_parked(app, settlement.handoff, ending.key)
     if settlement.joined and ending.rerun_joined:
         for message in settlement.joined:
-            send_parked(app, message, ending.key)
+            send_parked(app, rejoined(message), ending.key)
     elif settlement.joined:
         result, error = ending.answer()
         answer_joined(app, settlement.joined, ending.key, ending.holder, result=result, error=error)

@@ -1,20 +1,32 @@
 -- JOIN: a duplicate waits for the holder's result (``join``; protocol/handoff.py).
 -- KEYS[1] - run record of the key
 -- KEYS[2] - runs joined to the holder's run
+-- KEYS[3] - what releases handed over (hash: release token -> joined messages)
 -- ARGV[1] - the joining run's message (it gets the holder's result); added once, however often
 --           this runs
 -- return {FREE} if the key is free (acquire again), else {JOINED, number joined, holder task id,
---        ms until the holder's lease runs out}
+--        ms until the holder's lease runs out (0 once it ended)}
+-- A second run of a call whose first run joined answers JOINED, adding nothing, even if the
+-- holder ended in between: the message still waits in the joined list (a lease that ran out: the
+-- sweeper answers it), or the holder's release took it (kept under that release's token, the
+-- record's ``rt``, in ``settled``: that release answers it)
 local r = decode(redis.call('GET', KEYS[1]))
 local now = clock()
-if not live(r, now) then
+local held = live(r, now)
+local before = redis.call('LPOS', KEYS[2], ARGV[1])
+if not before and r and r.rt then
+  for _, m in ipairs(settled_for(KEYS[3], r.rt)) do
+    before = before or m == ARGV[1]
+  end
+end
+if not held and not before then
   return {FREE}
 end
-if not redis.call('LPOS', KEYS[2], ARGV[1]) then
+if not before then
   redis.call('RPUSH', KEYS[2], ARGV[1])
 end
-if not r.joined then
+if held and not r.joined then
   r.joined = '1'
   redis.call('SET', KEYS[1], cjson.encode(r), 'KEEPTTL')
 end
-return {JOINED, redis.call('LLEN', KEYS[2]), r.task_id or '', tonumber(r.deadline) - now}
+return {JOINED, redis.call('LLEN', KEYS[2]), r and r.task_id or '', held and tonumber(r.deadline) - now or 0}

@@ -4,10 +4,6 @@
 local keep, id = string.match(ARGV[1], ACQUIRE_REST)
 ttl = tonumber(ttl)
 local recs = records(n, 1, decode(first))
-local version = foreign(recs, n)
-if version then
-  return {FOREIGN, version}
-end
 local now, now_us = clock()
 local slot, waiting = nil, false
 for i = 1, n do
@@ -28,6 +24,12 @@ for i = 1, n do
   if r and r.waiting then
     waiting = true
   end
+end
+-- after the replays above (they read only what this call wrote): another slot may have been
+-- taken by a worker of another version since
+local version = foreign(recs, n)
+if version then
+  return {FOREIGN, version}
 end
 for i = 1, n do
   local r = recs[i]

@@ -38,7 +38,7 @@ if not (r and r.token == token) then
 end
 local now = clock()
 outcome = superseded_outcome(r, outcome)
-r.token, r.deadline, r.rt = nil, nil, token
+r.token, r.deadline, r.rt, r.v = nil, nil, token, PROTOCOL -- a record of protocol 1 becomes ours
 local ended = num(now)
 r.state, r.outcome, r.ended, r.updated = outcome, outcome, ended, ended
 history_end(r, history, cap, keep, now)
