@@ -58,6 +58,7 @@ def test_short_replies_and_their_replays_read_alike(redis_server: RedisServer, d
     again = store.acquire("k", token, 10, Holder("task-a"))
     assert isinstance(first, Acquired) and isinstance(again, Acquired)
     assert (again.fence, again.since, again.slot) == (first.fence, first.since, 0)
+    assert store.newest.notice("k", 0) is None  # nobody superseded it
     released = store.release("k", token, fence=first.fence)
     assert released.ours and released.handoff is None and released.joined == () and not released.duties
     assert store.release("k", token, fence=first.fence) == released

@@ -32,9 +32,12 @@ from celery_singleflight.testing import RedisServer
 
 PACKAGE = Path(celery_singleflight.__file__).parent
 FIELDS = {field.name: field for field in RunRecord.fields()}
-#: how a script names a run record (the convention this test reads the scripts by)
-_RECORD = r"(?<![\w.])(?:r|prev|res|recs\[[^\]]+\])"
-_TOUCH = re.compile(_RECORD + r"\.(\w+)")
+#: how a script names a run record: by convention ``r``, ``prev`` (a helper's parameter), ``res``
+#: (a record being built) and ``recs[i]``; and any name bound from those or from the helpers
+#: that decode records (``local cur = r``, ``local held = decode(raw)``, ``local rs = records(...)``)
+_RECORD_NAMES = ("r", "prev", "res")
+_LIST_NAMES = ("recs",)
+_BINDING = re.compile(r"(?:local\s+)?(\w+)(?:\s*,\s*\w+)*\s*=\s*([\w.]+)(\s*[\[(])?")
 _ASSIGN = re.compile(r"^\s*((?:[\w.\[\]]+\s*,\s*)*[\w.\[\]]+)\s*=(?!=)", re.M)
 _CONSTRUCTOR = re.compile(r"(?:res\s*=\s*|cjson\.encode\()\{([^{}]*)\}", re.S)
 _JSON_NAME = re.compile(r'"(\w+)":')
@@ -49,10 +52,32 @@ def _code(script: lua.Script) -> str:
     return code
 
 
+def _lua_record_names(code: str) -> tuple[set[str], set[str]]:
+    """(names of records, names of lists of records) in ``code`` (see :data:`_RECORD_NAMES`)."""
+    records, lists = set(_RECORD_NAMES), set(_LIST_NAMES)
+    before = -1
+    while len(records) + len(lists) != before:
+        before = len(records) + len(lists)
+        for name, source, opening in _BINDING.findall(code):
+            opening = opening.strip()
+            if (source == "decode" and opening == "(") or (source in lists and opening == "[") \
+                    or (source in records and not opening):
+                records.add(name)
+            elif (source in ("records", "all_held") and opening == "(") or (source in lists and not opening):
+                lists.add(name)
+        for name, source in re.findall(r"\bfor\s+\w+\s*,\s*(\w+)\s+in\s+i?pairs\((\w+)\)", code):
+            if source in lists:
+                records.add(name)
+    return records, lists
+
+
 def _lua_use(code: str) -> tuple[set[str], set[str]]:
     """(every field the script touches, the fields it assigns)."""
-    touched = set(_TOUCH.findall(code))
-    assigned = {name for lhs in _ASSIGN.findall(code) for name in _TOUCH.findall(lhs)}
+    records, lists = _lua_record_names(code)
+    named = "|".join(sorted(records)) + "|" + "|".join(rf"{name}\[[^\]]+\]" for name in sorted(lists))
+    touch = re.compile(rf"(?<![\w.])(?:{named})\.(\w+)")
+    touched = set(touch.findall(code))
+    assigned = {name for lhs in _ASSIGN.findall(code) for name in touch.findall(lhs)}
     for body in _CONSTRUCTOR.findall(code):
         keys = set(re.findall(r"(?<![\w.])(\w+)\s*=(?!=)", body))
         assigned |= keys
@@ -62,72 +87,152 @@ def _lua_use(code: str) -> tuple[set[str], set[str]]:
     return touched, assigned
 
 
+def _text_written(script: lua.Script) -> set[str]:
+    """The fields ``script`` writes as text: those of each record template its own Lua calls
+    (``DEADLINE_FIELD(deadline)``; not one it searches for), and ACQUIRE's holder fields (sent by
+    its caller as JSON text)."""
+    texts = [lua.read(script.body), lua.read(script.plain) if script.plain else ""]
+    source = script.source
+    for library in script.libraries:  # the helpers the script carries
+        texts += [text for name, text in lua.helpers(lua.read(library))
+                  if re.search(rf"^local (?:function )?{name}\b", source, re.M)]
+    code = lua.strip_comments("\n".join(texts))
+    written: set[str] = set()
+    for name, template in script.templates.items():
+        for line in code.splitlines():
+            at = line.find(f"{name}(")
+            if at >= 0 and "string.find(" not in line[:at]:  # a search reads the text it makes
+                written |= set(_JSON_NAME.findall("".join(template.pieces)))
+    if script.name == "ACQUIRE":
+        written |= set(_JSON_NAME.findall(Holder("id", "worker", "task").fields))
+    return written
+
+
 def test_every_field_a_script_touches_is_declared_with_its_writers_and_readers() -> None:
-    """Each field a script reads or writes is declared; each script that assigns a field is one of
-    its declared writers; the scripts declared as its writers and readers are exactly those that
-    touch it."""
+    """Each field a script reads or writes is declared; the scripts declared as its writers are
+    exactly those that assign it (or write it as text); its writers and readers together are
+    exactly the scripts that touch it."""
     touched_by: dict[str, set[str]] = {}
+    written_by: dict[str, set[str]] = {}
     for script in SCRIPTS:
         touched, assigned = _lua_use(_code(script))
         undeclared = touched - set(FIELDS)
         assert not undeclared, f"{script.name} uses undeclared record fields {sorted(undeclared)}"
-        for name in assigned:
-            assert script.name in FIELDS[name].writers, f"{script.name} writes {name}, not a declared writer"
+        for name in assigned | _text_written(script):
+            written_by.setdefault(name, set()).add(script.name)
         for name in touched:
             touched_by.setdefault(name, set()).add(script.name)
     for field in FIELDS.values():
+        writers = written_by.get(field.name, set())
+        assert set(field.writers) == writers, \
+            f"{field.name}: declared written by {sorted(field.writers)}, written by {sorted(writers)}"
         declared = {who for who in (*field.writers, *field.readers) if who.isupper()}
         touching = touched_by.get(field.name, set())
         assert declared == touching, \
             f"{field.name}: declared {sorted(declared)}, touched by {sorted(touching)}"
 
 
+_RECORD_TYPES = ("RunRecord", "RecordBase", "Snapshot",
+                 *(cls.__name__ for cls in RunRecord.__mro__ if "Fields" in cls.__name__))
+
+
+def _returning_records() -> set[str]:
+    """The functions of the package whose return annotation holds a run record (``record``,
+    ``held``, ``snapshots``, ...): a name bound from a call of one holds a record."""
+    found = {"decode"}  # RecordBase.decode returns the class it is called on
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.returns is not None \
+                    and any(t in ast.unparse(node.returns) for t in _RECORD_TYPES):
+                found.add(node.name)
+    return found
+
+
+def _names_in(target: ast.AST) -> set[str]:
+    return {node.id for node in ast.walk(target) if isinstance(node, ast.Name)}
+
+
+def _reads_records(call: ast.Call, returning: set[str]) -> bool:
+    """A call of the store (``store.record``, ``self.store.reads.held``) that returns records,
+    or a record class's ``decode``."""
+    if not isinstance(call.func, ast.Attribute) or call.func.attr not in returning:
+        return False
+    receiver = ast.unparse(call.func.value)
+    return "store" in receiver or "reads" in receiver or receiver.endswith(_RECORD_TYPES)
+
+
 def _record_names(tree: ast.AST, returning: set[str]) -> set[str]:
-    """The names a module binds to a run record: parameters annotated with a record class, and
-    variables assigned from a call that returns one (``x = store.record(...)``, ``x, _ = ...held(...)``)."""
-    fields_classes = (cls.__name__ for cls in RunRecord.__mro__ if "Fields" in cls.__name__)
-    record_types = {"RunRecord", "RecordBase", *fields_classes}
+    """The names a module binds to a run record, or to records (a tuple or list of them):
+    parameters annotated with a record class; names assigned from a call that returns one, or
+    from a name already known (``x = store.record(...)``, ``x, left = ...held(...)``); loop and
+    comprehension variables over such a value (``for (key, slot), (record, n, now) in zip(runs,
+    snapshots)`` binds the second element's names only)."""
     names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.arg) and node.annotation is not None \
-                and any(t in ast.unparse(node.annotation) for t in record_types):
-            names.add(node.arg)
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            called = ast.unparse(node.value.func).split(".")[-1]
-            if called in returning or (called == "decode" and "Fields" in ast.unparse(node.value.func)) \
-                    or ast.unparse(node.value.func).startswith("RunRecord"):
-                target = node.targets[0]
-                first = target.elts[0] if isinstance(target, ast.Tuple) else target
-                if isinstance(first, ast.Name):
-                    names.add(first.id)
+
+    def bearing(value: ast.AST) -> bool:
+        """``value`` is records: such a call, a known name, or an item of either (not a field
+        of a record: ``record.progress`` is the field's value)."""
+        if isinstance(value, ast.Subscript):
+            return bearing(value.value)
+        return (isinstance(value, ast.Call) and _reads_records(value, returning)) \
+            or (isinstance(value, ast.Name) and value.id in names)
+
+    def bind(target: ast.AST, value: ast.AST) -> None:
+        if isinstance(value, ast.Call) and ast.unparse(value.func) == "zip" \
+                and isinstance(target, ast.Tuple) and len(target.elts) == len(value.args):
+            for element, arg in zip(target.elts, value.args, strict=True):
+                bind(element, arg)
+        elif bearing(value):
+            names.update(_names_in(target))
+
+    before = -1
+    while len(names) != before:  # until no new name is bound (a name may come from another)
+        before = len(names)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.annotation is not None \
+                    and any(t in ast.unparse(node.annotation) for t in _RECORD_TYPES):
+                names.add(node.arg)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    bind(target, node.value)
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                bind(node.target, node.iter)
     return names
+
+
+def _module_readers(module: str, tree: ast.AST, returning: set[str], readers: dict[str, set[str]]) -> None:
+    """Add the fields ``module`` reads to ``readers``; fail on a field read by string key or one
+    the record does not declare."""
+    methods = {name for name in dir(RunRecord) if not name.startswith("_")} - set(FIELDS)
+    names = _record_names(tree, returning)
+
+    def record(expr: ast.AST) -> bool:  # a record: a name bound to one, or a call returning one
+        return (isinstance(expr, ast.Name) and expr.id in names) \
+            or (isinstance(expr, ast.Call) and _reads_records(expr, returning))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and record(node.value) \
+                and not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)):
+            pytest.fail(f"{module} reads a record by string key: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and record(node.func.value) and node.func.attr == "get":
+            pytest.fail(f"{module} reads a record by string key: {ast.unparse(node)}")
+        if isinstance(node, ast.Attribute) and record(node.value):
+            if node.attr in methods:
+                continue
+            assert node.attr in FIELDS, f"{module} reads {node.attr}, which the record does not declare"
+            readers.setdefault(node.attr, set()).add(module)
 
 
 def _python_readers() -> dict[str, set[str]]:
     """Per field, the modules of the package that read it (module paths like ``ops.keystatus``)."""
-    returning = {"record", "holder_record", "held", "decode"}
+    returning = _returning_records()
     readers: dict[str, set[str]] = {}
-    methods = {name for name in dir(RunRecord) if not name.startswith("_")} - set(FIELDS)
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
         if module.startswith("protocol.fields") or module == "protocol.record":
             continue
-        tree = ast.parse(path.read_text())
-        names = _record_names(tree, returning)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
-                    and node.value.id in names:
-                pytest.fail(f"{module} reads a record by string key: {ast.unparse(node)}")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id in names \
-                    and node.func.attr == "get":
-                pytest.fail(f"{module} reads a record by string key: {ast.unparse(node)}")
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                    and node.value.id in names:
-                if node.attr in methods:
-                    continue
-                assert node.attr in FIELDS, f"{module} reads {node.attr}, which the record does not declare"
-                readers.setdefault(node.attr, set()).add(module)
+        _module_readers(module, ast.parse(path.read_text()), returning, readers)
     return readers
 
 
@@ -141,11 +246,29 @@ def test_every_field_python_reads_is_declared_with_its_readers() -> None:
 
 
 def test_the_record_test_fails_for_an_undeclared_field() -> None:
-    """The checks above see a field that is not declared (what a slip would look like)."""
+    """The checks above see a field that is not declared, however the record is named (what a
+    slip would look like)."""
     touched, assigned = _lua_use("local r = decode(raw)\nr.bogus, r.fence = '1', x\n")
     assert "bogus" in touched - set(FIELDS) and {"bogus", "fence"} <= assigned
-    tree = ast.parse("def f(store):\n    record = store.record('k')\n    return record.bogus\n")
-    assert "record" in _record_names(tree, {"record"})
+    aliased = ("local cur = r\ncur.lost = '1'\nlocal rs = records(n)\n"
+               "for _, one in ipairs(rs) do x = one.pseq end\n")
+    touched, assigned = _lua_use(aliased + "local held = rs[2]\nreturn held.entry\n")
+    assert touched == {"lost", "pseq", "entry"} and assigned == {"lost"}
+    returning = _returning_records()
+    slips = [
+        "def f(store):\n    record = store.record('k')\n    return record.bogus\n",
+        "def f(store):\n    record = store.record('k')\n    return record['fence']\n",
+        "def f(store):\n    return store.record('k').get('fence')\n",
+        "def f(self):\n    rec = self.store.reads.held('k')[0]\n    return rec['lost']\n",
+        "def f(self, runs):\n    snaps = self.store.reads.snapshots(runs)\n"
+        "    return [r.bogus for (k, s), (r, q, n) in zip(runs, snaps)]\n",
+    ]
+    for source in slips:
+        with pytest.raises((AssertionError, pytest.fail.Exception)):
+            _module_readers("m", ast.parse(source), returning, {})
+    readers: dict[str, set[str]] = {}
+    _module_readers("m", ast.parse(slips[-1].replace("bogus", "fence")), returning, readers)
+    assert readers == {"fence": {"m"}}
 
 
 # -- reply codes --------------------------------------------------------------------------------
@@ -214,14 +337,13 @@ def test_every_script_defines_each_helper_it_calls_and_only_those() -> None:
     libraries = sorted({path for script in SCRIPTS for path in script.libraries})
     names = [name for library in libraries for name, _ in lua.helpers(lua.read(library))]
     assert {"clock", "hand_off", "drop_own_copy", "keep_book", "superseded_outcome"} <= set(names)
-    for script in SCRIPTS:
+    for script in (*SCRIPTS, *USER_SCRIPTS):
         source = lua.strip_comments(script.source)
         for name in names:
             used = re.search(rf"(?<![\w.]){name}\b(?!\s*=)", source.replace(f"local function {name}(", ""))
-            if used is None:
-                continue
             defined = re.search(rf"^local (?:function )?{name}\b", source, re.M)
-            assert defined is not None, f"{name} is used but not defined in {script.name}"
+            assert (used is None) == (defined is None), \
+                f"{script.name}: {name} is {'used but not defined' if used else 'defined but not used'}"
     by_name = {script.name: script.source for script in SCRIPTS}
     assert "keep_book" not in by_name["RELEASE"] and "local function all_held" not in by_name["ACQUIRE"]
     # the plain path makes no helper: ACQUIRE's opens with its constants and the call's unpacking
@@ -272,3 +394,10 @@ def test_a_record_of_protocol_1_is_read_as_its_own(store: LeaseStore) -> None:
     assert isinstance(got, Acquired) and got.fence > 1795000000000000
     record = store.record("k")
     assert record.v == "2" and record.prev_task_id == "old" and record.prev_outcome == "succeeded"
+    # a running record of protocol 1 (a run an old worker took) released by this one is ours after
+    running = ('{ "token":"t1","fence":"1795000000000001","since":"1","deadline":"99999999999999",'
+               '"state":"running","task_id":"old","task_name":"t","worker":"w","host":"h","pid":"1"}')
+    store.client.set(store.layout.run("j"), running, px=60_000)
+    assert store.release("j", "t1", fence=1795000000000001).ours
+    released = store.record("j")
+    assert (released.v, released.outcome, released.token) == ("2", "succeeded", "")

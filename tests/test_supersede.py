@@ -16,7 +16,7 @@ import celery_singleflight as sf
 from celery_singleflight import KeyLayout, LeaseStore, Superseded
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.fencing import fenced_get, fenced_set
-from celery_singleflight.protocol.newest import COALESCE, ProgressNotice
+from celery_singleflight.protocol.newest import COALESCE, ProgressNotice, RenewNotice
 from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.testing import RedisServer
 
@@ -141,7 +141,7 @@ def test_supersede_script_run_twice_answers_the_same_and_the_renewal_reports_it(
         assert store.newest.due_superseding() == [] and store.client.zscore(store.layout.superseding(), "k")
 
         lease = SimpleNamespace(key="k", token=token, slot=0, ttl=10.0, store=store, layout=store.layout)
-        assert store.renew([lease]) == [2]  # type: ignore[list-item]
+        assert store.renew([lease]) == [RenewNotice.RENEWED_SUPERSEDED]  # type: ignore[list-item]
         # a progress write tells the holder too, before its next renewal (and is written)
         written = store.lease.progress("k", 0, token, '{"state": "x"}', "x", 1)
         assert written == (ProgressNotice.WRITTEN_SUPERSEDED, "new2")

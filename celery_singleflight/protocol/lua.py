@@ -172,10 +172,11 @@ def assemble(
     seen = strip_comments(body)
     code = strip_comments(plain)
     for helper, text in reversed(defined):  # a helper only calls helpers defined before it
-        if re.search(rf"\b{helper}\b", seen):
+        called = re.compile(rf"(?<![\w.]){helper}\b")  # not ``cjson.decode`` for ``decode``
+        if called.search(seen):
             used.add(helper)
             seen += strip_comments(text)
-        if re.search(rf"\b{helper}\b", code):
+        if called.search(code):
             raise ValueError(f"{name}: the plain path runs before the helpers, so it cannot use {helper}")
     helper_text = "".join(text for helper, text in defined if helper in used)
     names = sorted(set(_CAPITALS.findall(strip_comments(plain + helper_text + body))) - _LUA_GLOBALS - used)
