@@ -1,7 +1,8 @@
 """Tasks written for celery-once (its README's examples), with only the import changed.
 
 Redis comes from ``SF_ONCE_REDIS`` (a private server started by tests/test_compat.py): broker
-db 0, results db 1, leases db 2.
+db 0, results db 1. The leases live where celery-once's ``ONCE`` setting says (db 2): no
+``singleflight_redis_url`` is set.
 """
 
 import os
@@ -14,7 +15,11 @@ from celery_singleflight.compat import QueueOnce  # was: from celery_once import
 BASE = os.environ.get("SF_ONCE_REDIS", "redis://127.0.0.1:6379")
 
 celery = Celery("onceapp", broker=f"{BASE}/0", backend=f"{BASE}/1")
-celery.conf.update(singleflight_redis_url=f"{BASE}/2", broker_connection_retry_on_startup=True)
+celery.conf.ONCE = {
+    "backend": "celery_once.backends.Redis",
+    "settings": {"url": f"{BASE}/2", "default_timeout": 60 * 60},
+}
+celery.conf.update(broker_connection_retry_on_startup=True)
 app = celery
 
 
@@ -53,3 +58,15 @@ def flaky(self, n):
     if self.request.retries < 2:
         raise self.retry(countdown=0.1)
     return self.request.retries
+
+
+@celery.task(base=QueueOnce, once={"graceful": True})
+def notify(*user_ids):
+    sleep(1)
+    return sorted(user_ids)
+
+
+@celery.task(base=QueueOnce, once={"graceful": True})
+def sync(pk, **options):
+    sleep(1)
+    return [pk, options]

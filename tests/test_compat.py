@@ -1,8 +1,10 @@
 """``celery_singleflight.compat.QueueOnce``: celery-once's tasks (tests/onceapp.py, its README's
-examples with only the import changed) on a real worker, and what its ``once`` options map to."""
+examples with only the import changed) on a real worker, and what its ``once`` options and its
+``ONCE`` setting map to. Written from celery-once's documented behaviour."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -11,30 +13,34 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_singleflight import ConfigurationError, KeyTemplateError, LockHeld, is_skipped
+from celery_singleflight import ConfigurationError, KeyTemplateError, LockHeld, SingleFlightError, is_skipped
 from celery_singleflight.compat import AlreadyQueued, QueueOnce
+from celery_singleflight.compat.shared import NotSupported
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
-@pytest.fixture(scope="module")
-def onceapp() -> Iterator[ModuleType]:
-    old = os.environ.get("SF_ONCE_REDIS")
+@contextlib.contextmanager
+def running_app(module_name: str, env_var: str, concurrency: int = 4) -> Iterator[ModuleType]:
+    """Import ``tests/<module_name>.py`` against a private Redis (its URL in ``env_var``) with a
+    real worker running it; used by the celery-singleton and celery-heimdall tests too."""
+    old = os.environ.get(env_var)
     with RedisServer() as redis_server:
-        os.environ["SF_ONCE_REDIS"] = redis_server.url
-        sys.modules.pop("onceapp", None)
+        os.environ[env_var] = redis_server.url
+        sys.modules.pop(module_name, None)
         if str(TESTS) not in sys.path:
             sys.path.insert(0, str(TESTS))
-        module = importlib.import_module("onceapp")
+        module = importlib.import_module(module_name)
         worker = WorkerProcess(
-            "onceapp", concurrency=4, cwd=str(TESTS), loglevel="WARNING",
-            env={"SF_ONCE_REDIS": redis_server.url, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
+            module_name, concurrency=concurrency, cwd=str(TESTS), loglevel="WARNING",
+            env={env_var: redis_server.url, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
         )
         try:
             worker.start(module.app)
@@ -43,24 +49,28 @@ def onceapp() -> Iterator[ModuleType]:
             worker.stop(timeout=15)
             worker.kill()
             worker.cleanup()
-            sys.modules.pop("onceapp", None)
+            sys.modules.pop(module_name, None)
             if old is None:
-                os.environ.pop("SF_ONCE_REDIS", None)
+                os.environ.pop(env_var, None)
             else:
-                os.environ["SF_ONCE_REDIS"] = old
+                os.environ[env_var] = old
 
 
-def _wait_running(task: object, *args: object) -> None:
-    from celery_singleflight import status
+@pytest.fixture(scope="module")
+def onceapp() -> Iterator[ModuleType]:
+    with running_app("onceapp", "SF_ONCE_REDIS") as module:
+        yield module
 
-    key = task.render_key(*args)  # type: ignore[attr-defined]
+
+def wait_running(task: Any, *args: Any, **kwargs: Any) -> None:
+    """Wait until a run of this call holds its key (read in the task's own lease store)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        st = status(task.app, key)  # type: ignore[attr-defined]
+        st = task.status(*args, **kwargs)
         if st is not None and st.held:
             return
         time.sleep(0.02)
-    raise AssertionError(f"{key} was not taken")
+    raise AssertionError(f"{task.render_key(*args, **kwargs)} was not taken")
 
 
 # -- the once options, mapped when the task is defined ----------------------------------------------
@@ -71,7 +81,7 @@ def app() -> Celery:
     return Celery("compat", broker="redis://127.0.0.1:1/0", set_as_current=False)
 
 
-def test_keys_become_a_template_over_those_parameters(app: Celery) -> None:
+def test_keys_choose_the_parameters_bound_by_the_signature(app: Celery) -> None:
     @app.task(base=QueueOnce, once={"keys": ["a"]})
     def slow_add(a, b):
         return a + b
@@ -84,11 +94,38 @@ def test_keys_become_a_template_over_those_parameters(app: Celery) -> None:
     def every_arg(a, b=2):
         return a + b
 
-    assert slow_add.lock_key == "<@task>:<a>"
+    assert repr(slow_add.lock_key) == "<@task>:<a>"
     assert slow_add.render_key(1, 2) == slow_add.render_key(a=1, b=5) == f"{slow_add.name}:1"
     assert any_args.render_key(1, 2) == any_args.render_key(3, 4) == any_args.name
     assert every_arg.render_key(1) == every_arg.render_key(a=1, b=2) == f"{every_arg.name}:1:2"
     assert every_arg.render_key(1, 3) != every_arg.render_key(1)
+    assert slow_add.get_key([1, 2]) == slow_add.get_key(None, {"a": 1, "b": 9}) == slow_add.render_key(1, 2)
+
+
+def test_without_keys_every_argument_counts_varargs_included(app: Celery) -> None:
+    """celery-once keys on every argument when ``keys`` is absent, ``*args`` and ``**kwargs`` too."""
+
+    @app.task(base=QueueOnce, once={"graceful": True})
+    def notify(*user_ids):
+        return user_ids
+
+    @app.task(base=QueueOnce)
+    def sync(pk, **options):
+        return pk
+
+    @app.task(base=QueueOnce, once={"keys": ["pk", "options"]})
+    def sync_named(pk, *rest, **options):
+        return pk
+
+    assert notify.render_key(1) != notify.render_key(2)
+    assert notify.render_key(1, 2) != notify.render_key(2, 1) != notify.render_key(12)
+    assert notify.render_key(1, 2) == notify.render_key(*(1, 2))
+    assert notify.render_key() == notify.render_key() != notify.render_key(None)
+    assert sync.render_key(1, full=True) != sync.render_key(1, full=False)
+    assert sync.render_key(1, full=True, x=2) == sync.render_key(pk=1, x=2, full=True)
+    assert sync.render_key(1) != sync.render_key(1, pk2=1)
+    assert sync_named.render_key(1, 5, full=True) == sync_named.render_key(1, 6, full=True)
+    assert sync_named.render_key(1, full=True) != sync_named.render_key(1, full=False)
 
 
 def test_graceful_and_timeout_map_to_skip_and_the_marker_ttl(app: Celery) -> None:
@@ -104,6 +141,52 @@ def test_graceful_and_timeout_map_to_skip_and_the_marker_ttl(app: Celery) -> Non
         "skip", 600.0, True)
     assert (strict.options.on_duplicate, strict.options.dedup_ttl) == ("raise", 3600.0)
     assert strict.options.ttl == 30.0  # the lease is renewed while it runs; the timeout is not its TTL
+
+
+def test_the_once_setting_is_read(app: Celery) -> None:
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis",
+                     "settings": {"url": "redis://127.0.0.1:1/5", "default_timeout": 120}}
+
+    @app.task(base=QueueOnce)
+    def once_plain(x):
+        return x
+
+    @app.task(base=QueueOnce, once={"timeout": 30})
+    def once_own(x):
+        return x
+
+    assert once_plain.options.redis_url == once_own.options.redis_url == "redis://127.0.0.1:1/5"
+    assert (once_plain.options.dedup_ttl, once_own.options.dedup_ttl) == (120.0, 30.0)
+
+
+def test_the_once_setting_does_not_override_singleflight_redis_url(app: Celery) -> None:
+    app.conf.update(singleflight_redis_url="redis://127.0.0.1:1/7",
+                    ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": "redis://127.0.0.1:1/5"}})
+
+    @app.task(base=QueueOnce)
+    def url_plain(x):
+        return x
+
+    assert url_plain.options.redis_url == "redis://127.0.0.1:1/7"
+
+
+@pytest.mark.parametrize(("once", "match"), [
+    ({"backend": "celery_once.backends.File", "settings": {"location": "/x"}}, "File' is not supported"),
+    ({"backend": "celery_once.backends.Redis", "settings": {"url": "redis://h/0", "blocking": True}},
+     "'blocking': True is not supported"),
+    ({"backend": "celery_once.backends.Redis", "settings": {"urll": "redis://h/0"}}, "'urll'"),
+])
+def test_what_the_once_setting_cannot_say_here_is_refused(
+    app: Celery, once: dict[str, Any], match: str
+) -> None:
+    app.conf.ONCE = once
+
+    @app.task(base=QueueOnce, name=f"refused_{sorted(once['settings'])[0]}")
+    def refused(x):
+        return x
+
+    with pytest.raises(ConfigurationError, match=match):
+        app.finalize(auto=True)
 
 
 def test_unknown_or_unsupported_once_options_fail_at_definition() -> None:
@@ -129,16 +212,87 @@ def test_unknown_or_unsupported_once_options_fail_at_definition() -> None:
                 return a + b
 
 
-def test_already_queued_is_a_lock_held_that_pickles() -> None:
+def test_already_queued_is_a_lock_held_with_celery_once_fields_that_pickles() -> None:
     exc = AlreadyQueued("k:1", "abc", 12.5)
+    queued = AlreadyQueued("k:2", "def", None, 3599.2)
 
     again = pickle.loads(pickle.dumps(exc))
+    again_queued = pickle.loads(pickle.dumps(queued))
 
-    assert isinstance(again, LockHeld)
+    assert isinstance(again, LockHeld) and isinstance(again, SingleFlightError)
     assert (again.key, again.holder, again.countdown) == ("k:1", "abc", 12.5)
+    assert (again_queued.holder, again_queued.ttl_left, again_queued.countdown) == ("def", None, 3599.2)
+    assert "3599.2" in again_queued.message and again_queued.message == str(again_queued)
+    assert AlreadyQueued("k:3").countdown == 0.0
+
+
+def test_once_backend_refuses_what_it_does_not_offer(app: Celery) -> None:
+    @app.task(base=QueueOnce)
+    def backend_plain(x):
+        return x
+
+    with pytest.raises(NotSupported, match="clear_lock"):
+        backend_plain.once_backend.raise_or_lock("k", timeout=1)
+
+
+# -- with a private Redis, no worker ------------------------------------------------------------------
+
+
+@pytest.fixture
+def lone_redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def test_an_eager_send_checks_the_key_like_any_send(lone_redis: RedisServer) -> None:
+    """celery-once checks in ``apply_async``, eager or not: a key marked by a queued task refuses
+    an eager ``delay()`` of it too."""
+    app = Celery("eager", broker=f"{lone_redis.url}/0", set_as_current=False)
+
+    @app.task(base=QueueOnce, once={"keys": ["a"]})
+    def eager_add(a, b):
+        return a + b
+
+    queued = eager_add.delay(1, 1)  # no worker: it stays queued, its key marked
+    app.conf.task_always_eager = True
+
+    with pytest.raises(AlreadyQueued) as refused:
+        eager_add.delay(1, 2)
+    inline = eager_add.delay(2, 2)
+    again = eager_add.delay(2, 3)  # the inline run has ended: its key is free again
+
+    assert refused.value.holder == queued.id
+    assert 3500 < refused.value.countdown <= 3600  # the marker's time left, a number
+    assert inline.get() == 4 and again.get() == 5
+
+
+def test_clear_lock_frees_a_queued_key(lone_redis: RedisServer) -> None:
+    app = Celery("clear", broker=f"{lone_redis.url}/0", set_as_current=False)
+
+    @app.task(base=QueueOnce, once={"keys": ["a"]})
+    def clear_add(a, b):
+        return a + b
+
+    clear_add.delay(1, 1)
+    with pytest.raises(AlreadyQueued):
+        clear_add.delay(1, 2)
+
+    assert clear_add.once_backend.clear_lock(clear_add.get_key([1, 2])) is True
+    assert clear_add.delay(1, 3).id  # sent
+    assert clear_add.once_backend.clear_lock(clear_add.get_key([7, 0])) is False
 
 
 # -- on a real worker ---------------------------------------------------------------------------------
+
+
+@pytest.mark.worker
+def test_leases_live_where_the_once_setting_says(onceapp: ModuleType) -> None:
+    assert onceapp.slow_task.options.redis_url.endswith("/2")
+    first = onceapp.slow_task.delay()
+    wait_running(onceapp.slow_task)
+
+    assert onceapp.slow_task.status().task_id == first.id  # read in db 2, where the worker wrote it
+    assert first.get(timeout=20) == "Done!"
 
 
 @pytest.mark.worker
@@ -149,22 +303,38 @@ def test_a_queued_duplicate_raises_already_queued_and_the_key_frees_after(onceap
     other = onceapp.slow_add.delay(2, 2)  # another a: sent
 
     assert queued.value.holder == first.id
-    assert queued.value.countdown is None or 0 < queued.value.countdown <= 30
+    assert 0 < queued.value.countdown <= 3600
+    retry_in = queued.value.countdown + 1  # as celery-once users write it: always a number
     assert first.get(timeout=20) == 2 and other.get(timeout=20) == 4
     assert onceapp.slow_add.delay(1, 5).get(timeout=20) == 6  # the key is free once the run ended
+    assert retry_in > 1
 
 
 @pytest.mark.worker
 def test_a_running_duplicate_reports_the_lease_time_left(onceapp: ModuleType) -> None:
     first = onceapp.slow_any.delay(1, 1)
-    _wait_running(onceapp.slow_any, 1, 1)
+    wait_running(onceapp.slow_any, 1, 1)
 
     with pytest.raises(AlreadyQueued) as running:
         onceapp.slow_any.delay(5, 5)  # keys=[]: one run of the task at a time, whatever the arguments
 
     assert running.value.holder == first.id
-    assert running.value.countdown is not None and 0 < running.value.countdown <= 30
+    assert 0 < running.value.countdown <= 30 and running.value.ttl_left == pytest.approx(
+        running.value.countdown, abs=1)
     assert first.get(timeout=20) == 2
+
+
+@pytest.mark.worker
+def test_calls_with_other_varargs_are_sent_and_run(onceapp: ModuleType) -> None:
+    first = onceapp.notify.delay(1)
+    second = onceapp.notify.delay(2)  # another user: its own key, sent
+    same = onceapp.notify.delay(1)  # graceful: the queued one
+    full = onceapp.sync.delay(1, full=True)
+    partial = onceapp.sync.delay(1, full=False)
+
+    assert second.id != first.id and same.id == first.id and partial.id != full.id
+    assert first.get(timeout=20) == [1] and second.get(timeout=20) == [2]
+    assert full.get(timeout=20) == [1, {"full": True}] and partial.get(timeout=20) == [1, {"full": False}]
 
 
 @pytest.mark.worker
@@ -182,10 +352,10 @@ def test_graceful_returns_the_queued_task_instead_of_raising(onceapp: ModuleType
 @pytest.mark.worker
 def test_a_send_by_name_is_guarded_when_it_runs(onceapp: ModuleType) -> None:
     first = onceapp.slow_task.delay()
-    _wait_running(onceapp.slow_task)
+    wait_running(onceapp.slow_task)
     by_name = onceapp.app.send_task(onceapp.slow_task.name)  # bypasses apply_async, like beat
     gentle = onceapp.graceful_task.delay(1)
-    _wait_running(onceapp.graceful_task, 1)
+    wait_running(onceapp.graceful_task, 1)
     gentle_by_name = onceapp.app.send_task(onceapp.graceful_task.name, args=(1,))
 
     with pytest.raises(LockHeld):

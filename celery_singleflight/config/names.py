@@ -29,14 +29,16 @@ ALIASES: dict[str, str] = {
             " base=celery_singleflight.compat.QueueOnce",
     # celery-singleton
     "unique_on": "celery-singleton's option: use lock_key, a template over the arguments"
-                 " (e.g. 'sync:<account_id>')",
-    "raise_on_duplicate": "celery-singleton's option: use on_duplicate='raise' (or 'skip')",
+                 " (e.g. 'sync:<account_id>'), or base=celery_singleflight.compat.singleton.Singleton",
+    "raise_on_duplicate": "celery-singleton's option: use on_duplicate='raise' (or 'skip'), or"
+                          " base=celery_singleflight.compat.singleton.Singleton",
     "lock_expiry": "celery-singleton's option: use lock_ttl (seconds; the heartbeat renews the lease"
-                   " while the task runs)",
+                   " while the task runs), or base=celery_singleflight.compat.singleton.Singleton",
     "challenge_lock_on_startup": "celery-singleton's option: drop it; a dead holder's lease runs out by"
                                  " itself within lock_ttl",
     # celery-heimdall
-    "heimdall": "celery-heimdall's option: use lock_key and on_duplicate",
+    "heimdall": "celery-heimdall's option: use lock_key and on_duplicate (key_rate_limit for times/per),"
+                " or base=celery_singleflight.compat.heimdall.HeimdallTask",
 }
 #: names that habit (or another library) suggests for one of our options
 _HABITS: dict[str, str] = {

@@ -26,7 +26,7 @@ __all__ = [
 
 ENQUEUED = Part("enqueued", "string: task id", "`dedup_ttl`", "the enqueue-time dedup marker")
 DONE = Part("done", "string: JSON `{task_id, result}`", "`idempotency_ttl`",
-            "the idempotency window (its key is the idempotency key, not the lock key)")
+            "the idempotency window (keyed by the idempotency key)")
 PARTS = (ENQUEUED, DONE)
 
 
@@ -37,7 +37,7 @@ class DuplicateFields(RecordBase):
 
     duplicates = Field(NUMBER, "how many duplicates arrived while this run held the key",
                        writers=("NOTE_DUPLICATE",), readers=("ops.keystatus",))
-    dup_last = Field(TEXT, "the last duplicate noted ('task id|outcome'): a replay notes nothing more",
+    dup_last = Field(TEXT, "the last duplicate noted (task id and outcome): a replay notes nothing more",
                      writers=("NOTE_DUPLICATE",), readers=())
 
 
@@ -78,6 +78,18 @@ class MarkCalls(Feature):
         """Forget the marker of ``key`` if it is ``task_id``'s."""
         reply = self.ctx.script(CLEAR_MARK)(keys=[self.ctx.layout.key(ENQUEUED, key)], args=[task_id])
         return int(reply) == ClearReply.CLEARED
+
+    def enqueued(self, key: str) -> tuple[str | None, float | None]:
+        """The task id marked for ``key`` and the marker's seconds left, read as stored (a
+        marker whose run is over is still answered); ``(None, None)`` when there is none."""
+        name = self.ctx.layout.key(ENQUEUED, key)
+        pipe = self.ctx.client.pipeline(transaction=False)
+        pipe.get(name)
+        pipe.pttl(name)
+        raw, left = pipe.execute()
+        if raw is None:
+            return None, None
+        return text(raw), (int(left) / 1000 if int(left) >= 0 else None)
 
     def note_duplicate(self, key: str, task_id: str, outcome: str) -> bool:
         """Count a duplicate on the holder's status and tell live watchers what happened to it."""

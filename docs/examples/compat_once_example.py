@@ -1,4 +1,6 @@
-"""Tasks written for celery-once, unchanged but for the import.
+"""Tasks and calls written for celery-once, unchanged but for the import. One call behaves
+differently, and says so: a graceful duplicate returns the queued task's ``AsyncResult``
+(celery-once returned an empty ``REJECTED`` result).
 
 ``python compat_once_example.py`` beside ``celery -A proj worker -I compat_once_example``.
 """
@@ -36,11 +38,11 @@ def main():
     try:
         slow_add.delay(1, 2)  # the same a=1 is queued or running
     except AlreadyQueued as exc:
-        print(f"already queued as {exc.holder}")  # the queued task's id, here first.id
+        print(f"already queued; try again in {exc.countdown:.0f}s")  # always a number
     other = slow_add.delay(2, 2)  # another key: sent
 
     done = slow_task.delay()
-    again = slow_task.delay()  # graceful: no error, the queued task's AsyncResult
+    again = slow_task.delay()  # graceful: no error; here the queued task's AsyncResult
     assert again.id == done.id
     # --8<-- [end:calls]
     return first, other, done, again
