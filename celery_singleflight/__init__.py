@@ -1,4 +1,8 @@
-"""celery_singleflight: only one run per key at a time, safe, observable and fast, for Celery."""
+"""celery_singleflight: only one run per key at a time, safe, observable and fast, for Celery.
+
+The stable API is exactly ``__all__`` (with the public modules ``fencing``, ``testing`` and
+``compat``); everything else is internal and may change in any release (docs/versioning.md).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import signals, states
 
-# settings
-from .config.options import Options, resolve_options
+# checking an app's settings and tasks at import
+from .checks import check_app
 
 # errors
 from .errors import (
@@ -33,7 +37,7 @@ from .hold import HoldLease, hold
 from .keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
 
 # status, progress and operations
-from .ops.status import KeyStatus, StatusReader, WatchEvent, force_release, held, status, status_all, watch
+from .ops.status import KeyStatus, WatchEvent, force_release, held, status, status_all, watch
 from .ops.timestatus import TimeStatus, time_status
 
 # time policies
@@ -42,8 +46,6 @@ from .policies.debounce import DebouncedRun, is_debounced
 # outcomes
 from .policies.duplicates import SkippedRun, is_skipped
 from .policies.newest import CoalescedRun, is_coalesced
-from .protocol.replies import Acquired, Held, Holder, Parked, Settlement
-from .protocol.store import KeyLayout, LeaseStore, store_for
 
 # leases
 from .run.lease import Lease
@@ -59,8 +61,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     # the task base class
     "SingleFlightTask",
+    "Lease",
+    "check_app",
     "counters",
-    "store_for",
     # errors
     "ConfigurationError",
     "KeyTemplateError",
@@ -77,18 +80,9 @@ __all__ = [
     "UnstableKeyError",
     # keys
     "MAX_KEY_LENGTH",
-    "KeyLayout",
     "canonical",
     "compile_key",
     "digest_key",
-    # leases
-    "Acquired",
-    "Held",
-    "Holder",
-    "Lease",
-    "LeaseStore",
-    "Parked",
-    "Settlement",
     # outcomes
     "SkippedRun",
     "is_skipped",
@@ -96,16 +90,12 @@ __all__ = [
     "is_coalesced",
     # status, progress and operations
     "KeyStatus",
-    "StatusReader",
     "WatchEvent",
     "force_release",
     "held",
     "status",
     "status_all",
     "watch",
-    # settings
-    "Options",
-    "resolve_options",
     # outside tasks
     "HoldLease",
     "hold",

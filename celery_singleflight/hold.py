@@ -164,6 +164,7 @@ class Hold:
     def __init__(
         self, app: Any, key: str, *, ttl: float | None = None, wait: float = 0.0,
         holder: str | None = None, progress_rate: float | None = None, slots: int | None = None,
+        namespace: str | None = None,
     ) -> None:
         _check_number("ttl", ttl, allow_zero=False)
         _check_number("wait", wait, allow_zero=True)
@@ -179,7 +180,7 @@ class Hold:
         self.wait = float(wait)
         self.holder = holder or default_holder()
         self.options: Options = app_options(app, lock_ttl=ttl, progress_rate=progress_rate,
-                                            max_concurrency=slots or 1)
+                                            max_concurrency=slots or 1, lock_namespace=namespace)
         self._guard: Guard | None = None
 
     def __enter__(self) -> HoldLease:
@@ -249,7 +250,7 @@ class Hold:
 
 def hold(
     app: Any, key: str, *, ttl: float | None = None, wait: float = 0.0, holder: str | None = None,
-    progress_rate: float | None = None, slots: int | None = None,
+    progress_rate: float | None = None, slots: int | None = None, namespace: str | None = None,
 ) -> Hold:
     """Hold ``key`` for a ``with`` block, excluding the tasks (and holds) that use that key.
 
@@ -257,8 +258,10 @@ def hold(
     overrides the app's ``singleflight_ttl``; ``wait`` is how long to wait for a held key (0:
     raise :class:`LockHeld` at once); ``holder`` is the id others see (default
     ``hold:<user>@<host>:<pid>``); ``progress_rate`` overrides ``singleflight_progress_rate``;
-    ``slots``: the key's ``max_concurrency``, to take any free slot of it (default: its first slot).
+    ``slots``: the key's ``max_concurrency``, to take any free slot of it (default: its first slot);
+    ``namespace``: the ``lock_namespace`` of tasks that have their own (default: the app's).
     Raises :class:`RedisUnavailable` if Redis cannot serve the key: no fail-open here, the
     caller decides.
     """
-    return Hold(app, key, ttl=ttl, wait=wait, holder=holder, progress_rate=progress_rate, slots=slots)
+    return Hold(app, key, ttl=ttl, wait=wait, holder=holder, progress_rate=progress_rate, slots=slots,
+                namespace=namespace)

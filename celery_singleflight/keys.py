@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 256
+"""A rendered key longer than this many characters is stored as its digest (see :func:`digest_key`)."""
 DIGEST_MARK = "~sha256v1~"
 _DIGEST_KEEP = 150
 _PLACEHOLDER = re.compile(r"<([^<>]*)>")
@@ -218,21 +219,29 @@ def _parse(template: str) -> list[_Part]:
     ]
 
 
-def _resolve(name: str, bound: Mapping[str, Any], template: str) -> Any:
+def _resolve(name: str, bound: Mapping[str, Any], template: str, task_name: str) -> Any:
     head, *fields = name.split(".")
     if head not in bound:
-        raise KeyTemplateError(f"lock key template {template!r}: no argument <{head}> in this call")
+        raise KeyTemplateError(
+            f"task {task_name}: lock key {template!r}: this call has no argument <{head}>"
+        )
     value = bound[head]
     for i, field in enumerate(fields):
         where = ".".join([head, *fields[: i + 1]])
         if isinstance(value, Mapping):
             if field not in value:
-                raise KeyTemplateError(f"lock key template {template!r}: <{where}> is missing")
+                raise KeyTemplateError(
+                    f"task {task_name}: lock key {template!r}: <{where}> is missing: the argument"
+                    f" {'.'.join([head, *fields[:i]])} is a mapping without the key {field!r}"
+                )
             value = value[field]
         elif hasattr(value, field):
             value = getattr(value, field)
         else:
-            raise KeyTemplateError(f"lock key template {template!r}: <{where}> is missing")
+            raise KeyTemplateError(
+                f"task {task_name}: lock key {template!r}: <{where}> is missing: the argument"
+                f" {'.'.join([head, *fields[:i]])} ({type(value).__name__}) has no field {field!r}"
+            )
     return value
 
 
@@ -287,7 +296,7 @@ def compile_key(
                 out.append(task_name)
             elif part.name is not None:
                 try:
-                    out.append(render_value(_resolve(part.name, bound, spec), part.stop))
+                    out.append(render_value(_resolve(part.name, bound, spec, task_name), part.stop))
                 except _Unstable as exc:
                     where = f"task {task_name}: lock key {spec!r}: <{part.name}>"
                     raise UnstableKeyError(_unstable_message(exc, where)) from None

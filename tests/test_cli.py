@@ -350,7 +350,7 @@ def test_watch_and_release_help_name_the_slot_options(redis_server: RedisServer,
 def test_a_key_held_only_on_slot_1_is_shown_held(sfapp: ModuleType, redis_server: RedisServer) -> None:
     """Slot 0 of a max_concurrency=2 key is free (its run ended) while slot 1 is held: show, ls,
     watch and release see the slot-1 run instead of reporting the key free."""
-    from celery_singleflight import Holder
+    from celery_singleflight.protocol.replies import Holder
 
     store = sfapp.limited_two.store
     key = "lim:cli-slot1"

@@ -24,18 +24,13 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, RedisClusterException
 
-from celery_singleflight import (
-    Acquired,
-    Holder,
-    KeyLayout,
-    LeaseStore,
-    SingleFlightTask,
-    StatusReader,
-    store_for,
-)
+from celery_singleflight import SingleFlightTask
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.connection.targets import build_client, target_from_settings
 from celery_singleflight.ops.acl import CLUSTER_COMMANDS, acl_rule
+from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore, store_for
 from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.testing.engines import RedisClusterServers
 from celery_singleflight.worker.preflight import preflight

@@ -9,9 +9,9 @@ from types import ModuleType
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight import KeyLayout, LeaseStore
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy

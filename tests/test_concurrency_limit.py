@@ -7,7 +7,8 @@ from types import ModuleType
 
 import pytest
 
-from celery_singleflight import ConfigurationError, resolve_options
+from celery_singleflight import ConfigurationError
+from celery_singleflight.config.options import resolve_options
 from celery_singleflight.testing import WorkerProcess
 
 from .conftest import wait_for

@@ -43,3 +43,25 @@ def test_the_configuration_page_is_generated_from_the_code() -> None:
         "docs/configuration.md is out of date; write it again with"
         " python -m celery_singleflight.config.page > docs/configuration.md"
     )
+
+
+#: modules the API page renders whole: every public name defined in them is on the page
+_WHOLE_MODULES = {"errors", "signals", "states", "fencing", "testing", "compat", "singleton", "heimdall"}
+
+
+def test_the_api_page_documents_exactly_the_stable_api() -> None:
+    """Every name of ``celery_singleflight.__all__`` is on docs/api.md, and the page renders
+    nothing else (a class's members are listed where it shows only the stable ones)."""
+    import celery_singleflight
+
+    targets = [line.split()[1] for line in (DOCS / "api.md").read_text().splitlines()
+               if line.startswith("::: ")]
+    shown = {target.rsplit(".", 1)[1] for target in targets}
+    whole = {target.rsplit(".", 1)[1] for target in targets if target.rsplit(".", 1)[1] in _WHOLE_MODULES}
+    stable = set(celery_singleflight.__all__) - {"__version__"}
+    in_whole_modules = {
+        name for name in stable
+        if getattr(getattr(celery_singleflight, name), "__module__", "").rsplit(".", 1)[-1] in whole
+    }
+    assert stable - shown - in_whole_modules == set()
+    assert shown - stable - _WHOLE_MODULES == set()

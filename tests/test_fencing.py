@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_singleflight import Acquired, Holder, KeyLayout, LeaseStore, SingleFlightError
+from celery_singleflight import SingleFlightError
 from celery_singleflight.fencing import (
     FencedValue,
     StaleFence,
@@ -32,6 +32,8 @@ from celery_singleflight.fencing import (
     fenced_upsert,
     insert_once,
 )
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .conftest import IN_CI

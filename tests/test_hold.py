@@ -215,6 +215,36 @@ def test_redis_unreachable_raises(redis_server: RedisServer) -> None:
     assert info.value.key == "offline"
 
 
+def test_lost_reads_the_leases_own_clock_while_the_heartbeat_is_blocked() -> None:
+    """Given a lease whose renewals cannot be answered (its Redis frozen), ``lease.lost`` turns
+    true once the TTL passed since the last confirmed renewal, without ``check()`` being called
+    and before the blocked heartbeat says anything: a body polling ``if lease.lost:`` stops."""
+    with RedisServer() as server:
+        app = Celery("frozen", broker="memory://", set_as_current=False)
+        app.conf.singleflight_redis_url = f"{server.url}/2"
+        lost: list[str] = []
+
+        def receiver(sender: Any = None, lease: Any = None, reason: str = "", **_: Any) -> None:
+            lost.append(reason)
+
+        signals.lease_lost.connect(receiver, weak=False)
+        try:
+            with hold(app, "frozen", ttl=1) as lease:
+                assert not lease.lost
+                server.pause()
+                try:
+                    started = time.monotonic()
+                    wait_for(lambda: lease.lost, timeout=3)
+                    assert time.monotonic() - started < 1.5
+                    assert lease.time_left == 0 and lost and "TTL" in lost[0]
+                    with pytest.raises(LeaseLost):
+                        lease.check()
+                finally:
+                    server.resume()
+        finally:
+            signals.lease_lost.disconnect(receiver)
+
+
 def test_redis_error_on_release_does_not_mask_the_body_error(
     sfapp: ModuleType, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -30,24 +30,14 @@ import redis
 from celery import Celery
 
 import celery_singleflight as sf
-from celery_singleflight import (
-    Acquired,
-    Held,
-    Holder,
-    KeyLayout,
-    Lease,
-    LeaseStore,
-    LockHeld,
-    SingleFlightTask,
-    StatusReader,
-    hold,
-    store_for,
-)
+from celery_singleflight import Lease, LockHeld, SingleFlightTask, hold
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.ops.acl import LIBRARY_COMMANDS, key_patterns
 from celery_singleflight.ops.acl import acl_rule as rule_for
+from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.lease import ProgressReply
-from celery_singleflight.protocol.replies import Parked
+from celery_singleflight.protocol.replies import Acquired, Held, Holder, Parked
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore, store_for
 from celery_singleflight.run.heartbeat import Heartbeat
 from celery_singleflight.run.progress import ProgressUpdate
 from celery_singleflight.testing import RedisServer

@@ -18,7 +18,8 @@ import pytest
 from billiard.exceptions import WorkerLostError
 from celery.result import AsyncResult
 
-from celery_singleflight import Acquired, Holder, LeaseLost
+from celery_singleflight import LeaseLost
+from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.worker.bootstep import release_for_ended_child
 from celery_singleflight.worker.sweeper import Sweeper, sweeps_for
 

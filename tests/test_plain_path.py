@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from celery_singleflight import Acquired, Holder, KeyLayout, LeaseStore
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.protocol.lease import ProgressReply
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy

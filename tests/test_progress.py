@@ -189,7 +189,8 @@ def test_duplicates_are_counted_and_shown_to_watchers(
 def test_a_long_key_listed_by_held_can_be_read_and_released(sfapp: ModuleType) -> None:
     """Given a key longer than 256 characters (stored as its digest), the name held() lists
     is the name status() and force_release() accept."""
-    from celery_singleflight import Holder, digest_key
+    from celery_singleflight import digest_key
+    from celery_singleflight.protocol.replies import Holder
 
     store = sfapp.reporting.store
     key = digest_key("x:" + "a" * 300)

@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 
 import celery_singleflight
-from celery_singleflight import Acquired, Holder, KeyLayout, LeaseStore, ProtocolMismatch
+from celery_singleflight import ProtocolMismatch
 from celery_singleflight.protocol import fields as record_fields
 from celery_singleflight.protocol import lua
 from celery_singleflight.protocol.record import RunRecord
-from celery_singleflight.protocol.store import SCRIPTS, USER_SCRIPTS
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import SCRIPTS, USER_SCRIPTS, KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 PACKAGE = Path(celery_singleflight.__file__).parent

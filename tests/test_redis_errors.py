@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_singleflight import KeyLayout, LeaseStore
 from celery_singleflight.connection.clients import UNAVAILABLE_STATES, is_unavailable
 from celery_singleflight.protocol.replies import Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer, redis_server_binary
 
 from .conftest import IN_CI

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_singleflight import Acquired, Holder, KeyLayout, LeaseStore
 from celery_singleflight.protocol.handoff import (
     FORCE_RELEASE,
     JOIN,
@@ -24,6 +23,8 @@ from celery_singleflight.protocol.handoff import (
     SETTLED,
     JoinReply,
 )
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.messages import rejoined
 from celery_singleflight.testing import RedisServer
 

@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_singleflight import SingleFlightTask, StatusReader, hold, store_for
+from celery_singleflight import SingleFlightTask, hold
 from celery_singleflight.connection.targets import target_from_settings
+from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing.engines import SentinelGroup
 from celery_singleflight.worker.preflight import preflight
 
@@ -102,7 +104,7 @@ def test_a_lease_the_failover_lost_is_reported_lost_at_the_next_renewal(fresh_gr
         group.master.kill()
         new_port = group.wait_master_change(old_port)
         promoted_at = time.monotonic()
-        wait_for(lambda: lease.lost, timeout=15)
+        wait_for(lambda: lease.lease.lost_known, timeout=15)  # the heartbeat's verdict
         assert time.monotonic() - promoted_at < 9.0
         assert "expired or was released" in lease.lease.lost_reason
         with hold(app, "failover:lost", ttl=9.0, holder="second") as second:

@@ -338,7 +338,8 @@ def test_any_value_of_any_setting_is_accepted_or_refused_clearly(setting: str, v
                                                                   per_task: bool) -> None:
     """Given any value for any setting (per task or in app.conf), resolving either succeeds with
     valid options or raises ConfigurationError naming the setting: never another exception."""
-    from celery_singleflight import ConfigurationError, resolve_options
+    from celery_singleflight import ConfigurationError
+    from celery_singleflight.config.options import resolve_options
 
     attr = DEFAULTS[setting][0]
     task = type("T", (), {"name": "t"})
@@ -398,8 +399,98 @@ def test_an_unknown_singleflight_setting_is_refused_naming_the_closest() -> None
     a setting) is an error naming the right setting; in Django's form too."""
     assert "did you mean singleflight_ttl?" in config_error(FakeTask, conf_with(singleflight_tll=3))
     assert "did you mean singleflight_ttl?" in config_error(FakeTask, conf_with(singleflight_lock_ttl=3))
-    assert "singleflight_namespace" in config_error(FakeTask, conf_with(SINGLEFLIGHT_NAMESPAC="x"))
+    message = config_error(FakeTask, conf_with(SINGLEFLIGHT_NAMESPAC="x"))
+    assert "did you mean SINGLEFLIGHT_NAMESPACE?" in message
     assert "the settings are:" in config_error(FakeTask, conf_with(singleflight_colour="blue"))
+
+
+class DjangoSettingsMisspelled:
+    """A Django settings module with a typo, as config_from_object(namespace=...) loads it."""
+
+    CELERY_BROKER_URL = REDIS
+    CELERY_SINGLEFLIGHT_TLL = 5
+    CACHE_SINGLEFLIGHT_TIMEOUT = 3  # someone else's setting: not ours, left alone
+
+
+@pytest.mark.parametrize("namespace", ["CELERY", "MYPROJ"])
+def test_a_misspelled_django_setting_is_refused_in_the_form_it_was_written(namespace: str) -> None:
+    """``app.config_from_object(settings, namespace="CELERY")`` keeps ``CELERY_SINGLEFLIGHT_TLL``
+    under that name: it is refused when the task is created, naming ``CELERY_SINGLEFLIGHT_TTL``;
+    so under another namespace. A setting of another prefix that merely contains ours is not."""
+    settings = type("S", (), {k.replace("CELERY_", f"{namespace}_"): v
+                              for k, v in vars(DjangoSettingsMisspelled).items() if k.isupper()})
+    app = make_app()
+    app.config_from_object(settings, namespace=namespace)
+
+    @app.task(base=SingleFlightTask, lock_key="k:<x>", shared=False)
+    def guarded(x):
+        return x
+
+    with pytest.raises(ConfigurationError, match=f"{namespace}_SINGLEFLIGHT_TLL.*did you mean"
+                                                 f" {namespace}_SINGLEFLIGHT_TTL"):
+        app.finalize()
+
+
+def test_check_app_refuses_typos_at_import_not_at_first_use() -> None:
+    """Celery creates a task on first use; ``check_app(app)`` at the end of the app's module
+    creates and checks every guarded task there, and a task defined after it is checked where it
+    is defined."""
+    from celery_singleflight import check_app
+
+    app = make_app()
+
+    @app.task(base=SingleFlightTask, lock_key="k:<x>", shared=False)
+    def fine(x):
+        return x
+
+    assert check_app(app) == [fine.name]
+    with pytest.raises(ConfigurationError, match=r"lease_ttl.*did you mean lock_ttl"):
+        @app.task(base=SingleFlightTask, lock_key="k:<x>", lease_ttl=3, shared=False)
+        def typo(x):
+            return x
+
+    late = make_app()
+    late.conf.update(singleflight_tll=3)
+
+    @late.task(base=SingleFlightTask, lock_key="k:<x>", shared=False)
+    def guarded(x):
+        return x
+
+    with pytest.raises(ConfigurationError, match="singleflight_tll"):
+        check_app(late)
+
+
+def test_error_messages_name_the_task_the_option_and_the_unit() -> None:
+    """A bad value names the task and the option, in the option's own unit; a bad combination
+    says what the task has; a missing field of a dict argument names the task."""
+    app = make_app()
+
+    def define(name: str, **opts: Any) -> Any:
+        @app.task(base=SingleFlightTask, lock_key="k:<a.b>", name=name, shared=False, **opts)
+        def task(a):
+            return a
+        return task
+
+    with pytest.raises(ConfigurationError, match=r"task rate: progress_rate .* zero writes a second, not 0"):
+        define("rate", progress_rate=0).options  # noqa: B018
+    with pytest.raises(ConfigurationError, match=r"task ns: lock_namespace .* not 'a b'"):
+        define("ns", lock_namespace="a b").options  # noqa: B018
+    with pytest.raises(ConfigurationError, match="this task has on_duplicate='raise' and max_concurrency=1"):
+        define("ordered", ordered=True).options  # noqa: B018
+    with pytest.raises(KeyTemplateError, match=r"task fields: .*<a\.b> is missing.*without the key 'b'"):
+        define("fields").render_key({"c": 1})
+
+
+@pytest.mark.parametrize(("broker", "advice"), [
+    ("sentinel://127.0.0.1:26379", "master_name"),
+    ("redis+cluster://127.0.0.1:7000", "redis+cluster://"),
+    ("amqp://guest@localhost//", "the broker is amqp://"),
+])
+def test_a_broker_the_leases_cannot_use_says_what_to_set(broker: str, advice: str) -> None:
+    """A Sentinel or Cluster broker is Redis, but not usable as it is: the message says what to
+    set, not that the broker is not Redis."""
+    message = config_error(FakeTask, {"broker_url": broker})
+    assert advice in message and "singleflight_redis_url" in message
 
 
 def test_retry_backoff_options_resolve_and_are_validated() -> None:

@@ -21,9 +21,11 @@ import pytest
 import redis
 
 import celery_singleflight as sf
-from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, StatusReader, signals
+from celery_singleflight import Lease, signals
 from celery_singleflight.ops.cli import status_lines, status_table
-from celery_singleflight.ops.status import KeyStatus, WatchEvent, status_all
+from celery_singleflight.ops.status import KeyStatus, StatusReader, WatchEvent, status_all
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.progress import ProgressUpdate
 from celery_singleflight.testing import RedisServer, WorkerProcess
 

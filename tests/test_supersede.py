@@ -13,11 +13,12 @@ import pytest
 from celery import states as celery_states
 
 import celery_singleflight as sf
-from celery_singleflight import KeyLayout, LeaseStore, Superseded
+from celery_singleflight import Superseded
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.fencing import fenced_get, fenced_set
 from celery_singleflight.protocol.newest import COALESCE, ProgressNotice, RenewNotice
 from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy

@@ -22,10 +22,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_singleflight import KeyLayout, LeaseStore, StatusReader
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.connection.targets import build_client, target_from_settings
 from celery_singleflight.ops.acl import LIBRARY_COMMANDS
+from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 from celery_singleflight.testing.engines import TlsFiles, TlsRedisServer, make_tls_files
 

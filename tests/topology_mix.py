@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from celery_singleflight import LockHeld, StatusReader
+from celery_singleflight import LockHeld
+from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.policies.duplicates import is_skipped
 
 from .conftest import wait_for

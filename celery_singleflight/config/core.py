@@ -11,7 +11,7 @@ from typing import Any
 from ..connection.targets import RedisTarget
 from ..errors import ConfigurationError
 from ..protocol.layout import Layout
-from .option import Derived, Option, OptionGroup, Resolving, anything, count, flag, seconds
+from .option import Derived, Option, OptionGroup, Resolving, anything, count, flag, rate, seconds
 from .settings import redis_target_for, redis_url_for
 
 __all__ = ["REDIS_ERROR_MODES", "CoreOptions"]
@@ -24,9 +24,11 @@ def _redis_url(where: str, value: Any, ctx: Resolving) -> str:
 
 
 def _namespace(where: str, value: Any, ctx: Resolving) -> str:
-    namespace = str(value)
-    Layout(namespace)  # validates
-    return namespace
+    if not isinstance(value, str) or not value or any(c.isspace() or c in "{}" for c in value):
+        raise ConfigurationError(f"{where} must be a non-empty string without whitespace or braces,"
+                                 f" not {value!r}")
+    Layout(value)  # the layout's own check, the same rule
+    return value
 
 
 def _heartbeat(where: str, value: Any, ctx: Resolving) -> float:
@@ -54,10 +56,6 @@ def _max_wait(where: str, value: Any, ctx: Resolving) -> float | None:
     return seconds(allow_zero=True)(where, value, ctx)  # type: ignore[no-any-return]
 
 
-def _fence_retention(where: str, value: Any, ctx: Resolving) -> float:
-    return max(float(ctx.values["ttl"]), float(seconds()(where, value, ctx)))
-
-
 def _target(ctx: Resolving) -> RedisTarget:
     return redis_target_for(ctx.conf)
 
@@ -69,137 +67,123 @@ class CoreOptions(OptionGroup):
     title = "The lease"
 
     redis_url = Option[str](
-        check=_redis_url, default_text="the broker URL if it is Redis, else the result backend URL if it is "
-        "Redis, else a `ConfigurationError` asking for this setting",
-        meaning="The Redis that holds the leases, their status, queues and markers: the broker's Redis"
-        " (another database of it) or a Redis of its own. The worker checks it when it starts"
+        check=_redis_url, default_text="the broker URL if it is Redis, else the result backend's if it is,"
+                          " else a `ConfigurationError`",
+        meaning="The Redis that holds the leases, their status, queues and markers (a database of the"
+        " broker's Redis, or a Redis of its own); checked at worker start"
         " ([guarantees](guarantees.md#what-the-library-checks-when-a-worker-starts)).",
-        values="A `redis://`, `rediss://` (TLS) or `unix://` URL, with user and password if the server needs"
-        " them; Sentinel as `sentinel://[:password@]host:port[;sentinel://host:port…]` (with `master_name`"
-        " in `singleflight_redis_transport_options`); a Cluster as `redis+cluster://` or"
-        " `rediss+cluster://host:port[,host:port…]` (startup nodes, no database number)"
-        " ([operations](operations.md)). Anything else is refused when the task is bound, naming the"
-        " setting.",
+        values="A `redis://`, `rediss://` (TLS) or `unix://` URL, with user and password if needed;"
+        " Sentinel: `sentinel://[:password@]host:port[;sentinel://host:port…]`, with `master_name` in the"
+        " transport options; Cluster: `redis+cluster://` or `rediss+cluster://host:port[,host:port…]`"
+        " (startup nodes, no database) ([operations](operations.md)).",
     )
     redis_transport_options = Option[Any](
         check=anything, default_text="`{}`",
-        meaning="Connection options for the lease Redis that a URL cannot carry, following Celery's"
-        " `result_backend_transport_options`: `master_name` (Sentinel), `sentinel_kwargs` (the"
-        " sentinels' own password or TLS), TLS files (`ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`,"
-        " `ssl_keyfile`, `ssl_check_hostname`), `socket_timeout`, `socket_connect_timeout`,"
-        " `health_check_interval`, `max_connections`, `username`, `password`"
+        meaning="Connection options a URL cannot carry, as in Celery's `result_backend_transport_options`:"
+        " `master_name` (Sentinel), `sentinel_kwargs` (the sentinels' own password or TLS), `ssl_cert_reqs`,"
+        " `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`, `socket_timeout`,"
+        " `socket_connect_timeout`, `health_check_interval`, `max_connections`, `username`, `password`"
         " ([operations](operations.md)).",
-        values="A dict with those names. An unknown name, TLS options with a `redis://` URL, or a"
-        " `sentinel://` URL without `master_name` is refused when the worker starts, naming the setting.",
+        values="A dict of those names. An unknown name, TLS options with `redis://`, or `sentinel://`"
+        " without `master_name` fail at worker start.",
     )
     redis_client = Option[Any](
-        check=anything, default_text="`None`: the client is built from `singleflight_redis_url`",
-        meaning="A callable (or its dotted path, `\"proj.redis:make_client\"`) that returns a ready"
-        " `redis.Redis` or `redis.cluster.RedisCluster` for the leases, for anything the URL and the"
-        " transport options cannot say. It is called once per process (after a fork again).",
-        values="A callable without arguments, or a string `module.attribute`. With it,"
-        " `singleflight_redis_transport_options` must be unset.",
+        check=anything, default_text="`None`: built from the URL",
+        meaning="A callable (or its dotted path, `\"proj.redis:make_client\"`) returning a ready"
+        " `redis.Redis` or `redis.cluster.RedisCluster`, for what the URL and transport options cannot say."
+        " Called once per process (again after a fork).",
+        values="A callable without arguments, or its path; then `singleflight_redis_transport_options` must"
+        " be unset.",
     )
     #: the URL with its transport options or client factory (one client per target)
     redis = Derived[RedisTarget](_target)
     namespace = Option[str](
         task="lock_namespace", default="sf", check=_namespace,
-        meaning="The prefix of every Redis key the library writes: `<namespace>:{<key>}:run` and so on"
-        " ([how it works](how-it-works.md#redis-keys)). The same key in two namespaces is two unrelated"
-        " locks: give each app or tenant that shares a Redis its own ([isolation](isolation.md)).",
+        meaning="The prefix of every Redis key the library writes (`<namespace>:{<key>}:run` ..., [how it"
+        " works](how-it-works.md#redis-keys)). The same key in two namespaces is two unrelated locks: give"
+        " each app or tenant sharing a Redis its own ([isolation](isolation.md)).",
         values="A non-empty string without whitespace or braces.",
     )
     lock_key = Option[Any](
         setting=False, task="lock_key", check=anything,
-        default_text="none: a `SingleFlightTask` without one fails when it is defined",
+        default_text="required",
         meaning="The key a run holds: a template (`\"sync:<account_id>\"`, `<invoice.id>`, `<@task>`) or a"
-        " callable receiving the task's arguments ([key templates](keys.md)). A template naming a"
-        " parameter the task does not have fails when the task is defined.",
-        values="A string template or a callable returning a string. Required.",
+        " callable of the task's arguments ([key templates](keys.md)). Missing, or naming a parameter the"
+        " task lacks, it fails when the task is defined.",
+        values="A string template or a callable returning a string.",
     )
     ttl = Option[float](
         task="lock_ttl", default=30.0, check=seconds(),
-        meaning="How long a lease lives without a renewal, in seconds. The heartbeat renews it while the task"
-        " runs, so it bounds how long a key stays taken after its host died, not how long a task may run.",
-        values="A number of seconds, more than zero.",
+        meaning="How long a lease lives without renewal. The heartbeat renews it while the task runs, so it"
+        " bounds how long a dead host keeps a key, not how long a task may run.",
+        values="Seconds, above zero.",
     )
     heartbeat_interval = Option[float](
         task="heartbeat_interval", check=_heartbeat, default_text="a third of the TTL",
-        meaning="How often the process's heartbeat thread renews the leases it holds (all of them in one"
-        " round trip).",
-        values="A number of seconds, more than zero and shorter than the TTL.",
+        meaning="How often the process's heartbeat thread renews all its leases (in one round trip).",
+        values="Seconds, above zero and below the TTL.",
     )
     max_concurrency = Option[int](
         task="max_concurrency", default=1, check=count(1),
-        meaning="How many runs of one key may run at once, each with its own lease slot and heartbeat;"
-        " duplicates beyond it get the task's policy ([flow control](flow.md#max_concurrencyn)).",
-        values="A whole number, at least 1. `join` needs 1.",
+        meaning="How many runs of one key may run at once, each with its own lease slot; duplicates beyond"
+        " it get the task's policy ([flow control](flow.md#max_concurrencyn)).",
+        values="A whole number, at least 1 (`join` needs 1).",
     )
     on_redis_error = Option[str](
         task="on_redis_error", default="fail_closed", check=_mode,
-        meaning="What a task does when Redis cannot serve its key now (unreachable, or answering `OOM`,"
-        " `READONLY`, `LOADING`, `MASTERDOWN`, `BUSY`, `TRYAGAIN`, `CLUSTERDOWN` or `NOREPLICAS`)."
-        " `fail_closed`: it does not run unguarded; it is re-sent every `redis_retry_delay` seconds"
-        " (state `RETRY`, not counted against `max_retries`) until `redis_max_wait`. `fail_open`: it"
-        " runs unguarded, with a WARNING, the `unguarded_run` signal and `counters.unguarded_runs`."
-        " Other Redis errors (a `NOPERM`, a script error) fail the task either way; `hold()` always"
-        " raises `RedisUnavailable`.",
+        meaning="What a task does when Redis cannot serve its key now (unreachable, or `OOM`, `READONLY`,"
+        " `LOADING`, `MASTERDOWN`, `BUSY`, `TRYAGAIN`, `CLUSTERDOWN`, `NOREPLICAS`). `fail_closed`: it is"
+        " re-sent every `redis_retry_delay` seconds (state `RETRY`, not counted against `max_retries`) until"
+        " `redis_max_wait`. `fail_open`: it runs unguarded, with a WARNING, the `unguarded_run` signal and"
+        " `counters.unguarded_runs`. Other Redis errors (`NOPERM`, a script error) fail the task either way;"
+        " `hold()` always raises `RedisUnavailable`.",
         values=" or ".join(f"`{mode}`" for mode in REDIS_ERROR_MODES) + ".",
     )
     redis_retry_delay = Option[float](
         task="redis_retry_delay", default=5.0, check=seconds(),
         meaning="`fail_closed`: the delay before a task that found Redis unavailable is tried again.",
-        values="A number of seconds, more than zero.",
+        values="Seconds, above zero.",
     )
     redis_max_wait = Option["float | None"](
         task="redis_max_wait", default=600.0, check=_max_wait,
-        meaning="`fail_closed`: how long a task keeps being re-sent while Redis is unavailable; then it fails"
-        " with `RedisUnavailable`.",
-        values="A number of seconds, zero or more; `\"none\"` or `float(\"inf\")` for no limit. `None` means"
-        " \"not set\" here, like for every other setting, so it gives the default.",
-    )
-    fence_retention = Option[float](
-        default=86400.0, check=_fence_retention,
-        meaning="No longer used: fences need no counter (a fence is the larger of the key's last fence + 1"
-        " and Redis's clock in microseconds, see [fencing](fencing.md)). Still accepted and validated,"
-        " and ignored.",
-        values="A number of seconds, more than zero.",
+        meaning="`fail_closed`: how long a task is re-sent while Redis is unavailable, before it fails with"
+        " `RedisUnavailable`.",
+        values="Seconds, zero or more; `\"none\"` or `float(\"inf\")` for no limit.",
     )
     status_retention = Option[float](
         default=300.0, check=seconds(allow_zero=True),
-        meaning="How long a run's record (its status, outcome and fence) outlives the run, for `status()`,"
-        " `celery singleflight show`, watchers and the next fence.",
-        values="A number of seconds; values under 30 are raised to 30 (a re-sent release script and the"
-        " watchers' replay need the record that long).",
+        meaning="How long a run's record (status, outcome, fence) outlives the run, for `status()`, `show`,"
+        " watchers and the next fence.",
+        values="Seconds; under 30 counts as 30 (re-sent release scripts and the watchers' replay need that"
+        " long).",
     )
     history_length = Option[int](
         default=100, check=count(1),
-        meaning="How many progress events a key's history stream keeps (`XADD ... MAXLEN ~`), replayed to a"
-        " watcher that starts late.",
+        meaning="How many progress events a key's history stream keeps (`XADD ... MAXLEN ~`) for late"
+        " watchers.",
         values="A whole number, at least 1.",
     )
     progress_rate = Option[float](
-        task="progress_rate", default=10.0, check=seconds(),
-        meaning="The most `self.progress()` writes per second per run. Calls in between are coalesced and"
-        " the last one is always written, so a tight loop costs a handful of writes.",
-        values="A number, more than zero.",
+        task="progress_rate", default=10.0, check=rate(),
+        meaning="The most `self.progress()` writes per second per run. Calls in between are coalesced; the"
+        " last one is always written.",
+        values="A number, above zero.",
     )
     progress_max_bytes = Option[int](
         task="progress_max_bytes", default=8192, check=count(64),
-        meaning="The largest progress update (state, numbers, message and fields, as JSON); a larger one"
-        " raises `ProgressError`.",
-        values="A whole number of bytes, at least 64.",
+        meaning="The largest progress update, as JSON; a larger one raises `ProgressError`.",
+        values="Bytes, a whole number of at least 64.",
     )
     progress_events = Option["bool | None"](
         task="progress_events", check=flag(optional=True),
-        default_text="follow the worker: on when it sends task events (`-E`, `worker_send_task_events`)",
-        meaning="Whether `self.progress()` sends a Celery `task-progress` event, which is what makes Flower"
-        " show the task as PROGRESS ([Flower](flower.md)).",
+        default_text="on when the worker sends task events (`-E`, `worker_send_task_events`)",
+        meaning="Whether `self.progress()` sends a Celery `task-progress` event, which makes Flower show"
+        " PROGRESS ([Flower](flower.md)).",
         values="`True`, `False`, or unset.",
     )
     status_include_args = Option[bool](
         task="status_include_args", default=False, check=flag(),
         meaning="Store the task's arguments in its status record (`KeyStatus.args`, `show`). Off by default:"
-        " arguments may hold personal data, and status is readable by anyone who can read the namespace.",
+        " arguments may hold personal data, and anyone who can read the namespace can read status.",
         values="`True` or `False`.",
     )

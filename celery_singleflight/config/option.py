@@ -174,21 +174,27 @@ class OptionGroup:
 # -- checks ----------------------------------------------------------------------------------
 
 
-def seconds(*, allow_zero: bool = False, optional: bool = False) -> Check[Any]:
-    """A number of seconds (more than zero, or zero or more); None when ``optional``."""
+def seconds(*, allow_zero: bool = False, optional: bool = False, unit: str = "seconds") -> Check[Any]:
+    """A number of seconds (more than zero, or zero or more); None when ``optional``. ``unit``
+    names what the number counts in messages (``"writes a second"`` for a rate)."""
 
     def check(where: str, value: Any, ctx: Resolving) -> float | None:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigurationError(f"{where} must be a number of seconds (int or float), not {value!r}")
+            raise ConfigurationError(f"{where} must be a number of {unit} (int or float), not {value!r}")
         number = float(value)
         if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
             bound = "zero or more" if allow_zero else "more than zero"
-            raise ConfigurationError(f"{where} must be {bound} seconds, not {value!r}")
+            raise ConfigurationError(f"{where} must be {bound} {unit}, not {value!r}")
         return number
 
     return check
+
+
+def rate() -> Check[Any]:
+    """A number of writes a second, more than zero."""
+    return seconds(unit="writes a second")
 
 
 def count(minimum: int, *, optional: bool = False) -> Check[Any]:

@@ -65,7 +65,8 @@ def task_option_names() -> set[str]:
 
 def resolve_options(task: Any, conf: Any) -> Options:
     """Resolve and validate the options of ``task`` (a class or instance) against ``conf``."""
-    check_settings(conf, setting_names(), {o.task: o.name for o in declared() if o.task and o.setting})
+    check_settings(conf, setting_names(), {o.task: o.name for o in declared() if o.task and o.setting},
+                   getattr(getattr(task, "app", None), "namespace", None))
     ctx = Resolving(task, str(getattr(task, "name", None) or getattr(task, "__name__", "task")), conf)
     for item in Options.declared():
         ctx.values[item.name] = item.resolve(ctx)
@@ -80,7 +81,8 @@ class _Overrides:
 
     name = "app"
 
-    def __init__(self, overrides: dict[str, Any]) -> None:
+    def __init__(self, app: Any, overrides: dict[str, Any]) -> None:
+        self.app = app
         self.__dict__.update(overrides)
 
 
@@ -104,5 +106,5 @@ def app_options(app: Any, **overrides: Any) -> Options:
     if found is None:
         if len(cache) >= _KEPT_OPTIONS:  # overrides computed per call (a ttl from data) stay bounded
             cache.clear()
-        found = cache[key] = resolve_options(_Overrides(overrides), conf=app.conf)
+        found = cache[key] = resolve_options(_Overrides(app, overrides), conf=app.conf)
     return found

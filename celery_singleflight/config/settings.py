@@ -37,24 +37,35 @@ def conf_get(conf: Any, name: str) -> Any:
     return None
 
 
-def check_settings(conf: Any, settings: Collection[str], task_options: Mapping[str, str]) -> None:
+def check_settings(
+    conf: Any, settings: Collection[str], task_options: Mapping[str, str], namespace: str | None = None
+) -> None:
     """Raise :class:`ConfigurationError` for a ``singleflight_*`` setting that is not one of
-    ``settings`` (also written ``SINGLEFLIGHT_*``, or ``CELERY_SINGLEFLIGHT_*`` in Django), naming
-    the closest (``task_options``: task option name -> its setting, for ``singleflight_lock_ttl``).
-    Every setting with our prefix is ours, so an unknown one is a misspelling, never someone else's."""
+    ``settings``, naming the closest (``task_options``: task option name -> its setting, for
+    ``singleflight_lock_ttl``). Also written ``SINGLEFLIGHT_*``, or with the app's config
+    namespace in front (``namespace``: Django's ``config_from_object(settings, namespace="CELERY")``
+    keeps ``CELERY_SINGLEFLIGHT_TTL`` under that name; ``CELERY_`` is always recognised). Every
+    setting with our prefix is ours, so an unknown one is a misspelling, never someone else's."""
     try:
         names = list(conf.keys())
     except Exception:  # noqa: BLE001 - a mapping-like config without keys() has nothing to check
         return
+    fronts = {"", "celery_"} | ({f"{namespace.lower()}_"} if namespace else set())
     for raw in names:
-        if not isinstance(raw, str) or not raw.lower().startswith("singleflight_"):
+        if not isinstance(raw, str):
             continue
-        name = raw.lower()[len("singleflight_"):]
+        front = next((f for f in fronts if raw.lower().startswith(f"{f}singleflight_")), None)
+        if front is None:
+            continue
+        name = raw.lower()[len(front) + len("singleflight_"):]
         if name in settings:
             continue
         near = task_options.get(name) or closest(name, settings)
-        hint = (f"did you mean singleflight_{near}?" if near
-                else f"the settings are: {', '.join(sorted(settings))}")
+        written = raw[: len(front) + len("singleflight_")]
+        if near is None:
+            hint = f"the settings are: {', '.join(sorted(settings))}"
+        else:
+            hint = f"did you mean {written}{near.upper() if written.isupper() else near}?"
         raise ConfigurationError(f"unknown setting {raw!r}; {hint}")
 
 
@@ -75,9 +86,29 @@ def redis_url_for(conf: Any) -> str:
                 " sentinel:// (with master_name in singleflight_redis_transport_options), redis+cluster://"
                 " or rediss+cluster://"
             )
-    raise ConfigurationError(
-        "celery_singleflight needs Redis: set singleflight_redis_url (Django: CELERY_SINGLEFLIGHT_REDIS_URL),"
-        " for example 'redis://localhost:6379/0'; the broker is not Redis, so it cannot be used instead"
+    raise ConfigurationError(f"celery_singleflight needs Redis: {_advice(candidates)}")
+
+
+def _advice(urls: list[Any]) -> str:
+    """What to set when neither the broker nor the result backend is a plain Redis URL: a
+    Sentinel or Cluster broker needs what a URL alone cannot say, anything else a Redis of its own."""
+    schemes = [urlsplit(url).scheme for url in urls if isinstance(url, str)]
+    if SENTINEL_SCHEME in schemes:
+        return (
+            "the broker (or result backend) is Sentinel, whose master name is in Celery's transport"
+            " options, not the URL: set singleflight_redis_url to the same sentinel:// URL and"
+            " singleflight_redis_transport_options = {'master_name': ...}"
+            " (Django: CELERY_SINGLEFLIGHT_REDIS_URL, CELERY_SINGLEFLIGHT_REDIS_TRANSPORT_OPTIONS)"
+        )
+    if any(scheme in CLUSTER_SCHEMES for scheme in schemes):
+        return (
+            "the broker (or result backend) is a Redis Cluster URL: set singleflight_redis_url to it"
+            " as redis+cluster://host:port[,host:port...] (Django: CELERY_SINGLEFLIGHT_REDIS_URL)"
+        )
+    found = f" (the broker is {schemes[0]}://)" if schemes else ""
+    return (
+        "set singleflight_redis_url (Django: CELERY_SINGLEFLIGHT_REDIS_URL), for example"
+        f" 'redis://localhost:6379/0'; neither the broker nor the result backend is a Redis URL{found}"
     )
 
 

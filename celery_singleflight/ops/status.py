@@ -213,9 +213,10 @@ class StatusReader:
 _readers: dict[tuple[int, int], StatusReader] = {}
 
 
-def reader(app: Any) -> StatusReader:
-    """The status reader for ``app``'s Redis and namespace."""
-    opts = app_options(app)
+def reader(app: Any, namespace: str | None = None) -> StatusReader:
+    """The status reader for ``app``'s Redis and namespace (``namespace``: a task's own
+    ``lock_namespace`` instead of the app's ``singleflight_namespace``)."""
+    opts = app_options(app, lock_namespace=namespace)
     store = store_for(opts.redis, opts.namespace, opts.status_retention, opts.history_length)
     cache_key = (id(app), id(store))
     found = _readers.get(cache_key)
@@ -224,30 +225,35 @@ def reader(app: Any) -> StatusReader:
     return found
 
 
-def status(app: Any, key: str, slot: int = 0) -> KeyStatus | None:
+def status(app: Any, key: str, slot: int = 0, *, namespace: str | None = None) -> KeyStatus | None:
     """Who holds ``key`` (its slot 0, or ``slot``) and how far along it is (None if nothing is
-    known about it)."""
-    return reader(app).read(key, slot)
+    known about it). ``namespace``: for a task with its own ``lock_namespace``."""
+    return reader(app, namespace).read(key, slot)
 
 
-def status_all(app: Any, key: str, slots: int | None = None) -> list[KeyStatus]:
+def status_all(app: Any, key: str, slots: int | None = None, *, namespace: str | None = None
+               ) -> list[KeyStatus]:
     """Every held slot of ``key`` (see :meth:`StatusReader.read_all`); empty if none is held."""
-    return reader(app).read_all(key, slots)
+    return reader(app, namespace).read_all(key, slots)
 
 
-def held(app: Any, prefix: str = "") -> list[KeyStatus]:
-    """The held runs of ``app``'s namespace whose key starts with ``prefix``, one per held slot."""
-    return reader(app).held(prefix)
+def held(app: Any, prefix: str = "", *, namespace: str | None = None) -> list[KeyStatus]:
+    """The held runs of ``app``'s namespace (or ``namespace``) whose key starts with ``prefix``,
+    one per held slot."""
+    return reader(app, namespace).held(prefix)
 
 
-def watch(app: Any, key: str, timeout: float | None = None, slot: int = 0) -> Iterator[WatchEvent]:
+def watch(app: Any, key: str, timeout: float | None = None, slot: int = 0, *,
+          namespace: str | None = None) -> Iterator[WatchEvent]:
     """Follow the run on ``key`` (its slot 0, or ``slot``) live until it ends (see
     :meth:`StatusReader.watch`)."""
-    return reader(app).watch(key, timeout=timeout, slot=slot)
+    return reader(app, namespace).watch(key, timeout=timeout, slot=slot)
 
 
-def force_release(app: Any, key: str, by: str, expected_holder: str = "", slot: int = 0) -> str | None:
+def force_release(app: Any, key: str, by: str, expected_holder: str = "", slot: int = 0, *,
+                  namespace: str | None = None) -> str | None:
     """Free ``key`` (its slot 0, or ``slot``) whoever holds it, recording ``by``; returns the
     released task id or None. A parked run is handed the key at once."""
-    opts = app_options(app)
-    return reader(app).force_release(key, by, expected_holder, slot, slots=known_slots(app), ttl=opts.ttl)
+    opts = app_options(app, lock_namespace=namespace)
+    return reader(app, namespace).force_release(key, by, expected_holder, slot, slots=known_slots(app),
+                                                ttl=opts.ttl)

@@ -49,19 +49,18 @@ class OrderOptions(OptionGroup):
 
     ordered = Option[bool](
         task="ordered", default=False, check=flag(),
-        meaning="The `queue` policy: runs of a key start in the order their messages were sent, also in a"
-        " burst and across workers. `apply_async` takes a per-key sequence number (one Redis round"
-        " trip) and carries it in the message; a run whose predecessors have not all started parks in"
-        " sequence order ([policies](policies.md#ordered-queue)). Sends by name (`send_task`, beat)"
-        " carry no number and are ordered by arrival.",
-        values="`True` or `False`. Needs `on_duplicate=\"queue\"` and `max_concurrency=1`.",
+        meaning="The `queue` policy: runs of a key start in send order, also in a burst and across workers."
+        " `apply_async` takes a per-key sequence number (one round trip); a run whose predecessors have not"
+        " all started parks ([policies](policies.md#ordered-queue)). Sends by name (`send_task`, beat) carry"
+        " no number and are ordered by arrival.",
+        values="`True` or `False`; needs `on_duplicate=\"queue\"` and `max_concurrency=1`.",
     )
     order_timeout = Option[float](
         task="order_timeout", default=60.0, check=seconds(),
-        meaning="`ordered=True`: how long runs wait for a sequence number whose message never arrives (its"
-        " publish failed, it was purged or revoked) before it is skipped, with a WARNING and the"
-        " `order_gap_skipped` signal.",
-        values="A number of seconds, more than zero.",
+        meaning="`ordered=True`: how long runs wait for a sequence number whose message never arrives"
+        " (publish failed, purged, revoked) before it is skipped, with a WARNING and the `order_gap_skipped`"
+        " signal.",
+        values="Seconds, above zero.",
     )
 
     @classmethod
@@ -69,9 +68,9 @@ class OrderOptions(OptionGroup):
         values = ctx.values
         if values["ordered"] and (values["on_duplicate"] != "queue" or values["max_concurrency"] != 1):
             raise ConfigurationError(
-                f"task {ctx.name}: ordered=True orders the runs of the queue policy: it needs"
-                f" on_duplicate='queue' and max_concurrency=1 (not {values['on_duplicate']!r},"
-                f" {values['max_concurrency']!r})"
+                f"task {ctx.name}: ordered=True orders the runs of the queue policy, so it needs"
+                f" on_duplicate='queue' and max_concurrency=1; this task has"
+                f" on_duplicate={values['on_duplicate']!r} and max_concurrency={values['max_concurrency']!r}"
             )
 
 

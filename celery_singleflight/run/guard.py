@@ -184,14 +184,14 @@ class Guard:
         if lease is None:
             return None
         self._renewer().discard(lease)
-        if lease.reporter is not None and not lease.lost and not lease.released:
+        if lease.reporter is not None and not lease.lost_known and not lease.released:
             with contextlib.suppress(LeaseLost):  # already reported by mark_lost
                 lease.reporter.flush()
         with lease._guard:
             if lease.released:
                 return None
             lease.released = True  # before the round trip: a late renewal must not report a loss
-        if lease.lost:
+        if lease.lost_known:
             outcome = "lost"
         opts = self.options
         try:

@@ -77,7 +77,7 @@ class Heartbeat:
 
     def held(self) -> list[Lease]:
         with self._lock:
-            return [lease for lease in self._leases if not lease.lost and not lease.released]
+            return [lease for lease in self._leases if not lease.lost_known and not lease.released]
 
     def stop(self) -> None:
         self._stop.set()

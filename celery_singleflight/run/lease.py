@@ -34,7 +34,8 @@ class Lease:
     """The lease of one running execution.
 
     ``fence`` only grows per key; pass it to writes that must refuse stale holders.
-    ``lost`` turns true when a renewal finds the lease gone; ``check()`` then raises.
+    ``lost`` turns true when a renewal or a progress write finds the lease gone, or when the
+    lease's own clock passes its TTL without a confirmed renewal; ``check()`` then raises.
     ``superseded`` turns true when a renewal finds that a newer run superseded this one;
     ``check()`` then raises :class:`Superseded`.
     """
@@ -48,7 +49,8 @@ class Lease:
     task_name: str
     store: LeaseStore
     since: float
-    lost: bool = False
+    #: a renewal, a progress write or the release found the lease gone (``lost`` also counts the clock)
+    lost_known: bool = False
     lost_reason: str = ""
     released: bool = False
     confirmed_at: float = field(default_factory=mod_time.monotonic)
@@ -74,6 +76,17 @@ class Lease:
         return self.confirmed_at + self.ttl - margin
 
     @property
+    def lost(self) -> bool:
+        """True once this run must count its lease as lost: a renewal, a progress write or the
+        release found it gone, or the TTL has passed since the last renewal Redis confirmed (a
+        frozen process, a partition: another run may hold the key, even if the heartbeat thread
+        has not said so yet). The first time the clock says so, the loss is recorded as the
+        heartbeat would record it (a WARNING and the ``lease_lost`` signal)."""
+        if not self.lost_known and not self.released and mod_time.monotonic() >= self.deadline:
+            self.mark_lost("no renewal was confirmed within the lease TTL; another run may hold the key")
+        return self.lost_known
+
+    @property
     def time_left(self) -> float:
         """Seconds the lease is known to be good for (0 once lost or released)."""
         if self.lost or self.released:
@@ -83,12 +96,8 @@ class Lease:
     def check(self) -> None:
         """Raise :class:`LeaseLost` if this run no longer holds its key.
 
-        Besides the heartbeat's verdict (``lost``), the lease's own clock counts: once the TTL
-        has passed since the last renewal Redis confirmed, another run may hold the key, even
-        if the heartbeat thread has not said so yet (a frozen process, a network partition).
+        Besides the heartbeat's verdict, the lease's own clock counts (see :attr:`lost`).
         """
-        if not self.lost and not self.released and mod_time.monotonic() >= self.deadline:
-            self.mark_lost("no renewal was confirmed within the lease TTL; another run may hold the key")
         if self.lost:
             raise LeaseLost(self.key, self.lost_reason)
         if self.superseded:
@@ -167,9 +176,9 @@ class Lease:
         the release itself (``at_release``) may report one then.
         """
         with self._guard:
-            if self.lost or (self.released and not at_release):
+            if self.lost_known or (self.released and not at_release):
                 return
-            self.lost = True
+            self.lost_known = True
             self.lost_reason = reason
         log_renew.warning(
             "lease lost: key=%r task=%s[%s] fence=%s: %s",

@@ -31,6 +31,7 @@ class _Counters:
 
 
 counters = _Counters()
+"""``counters.unguarded_runs``: runs this process let run unguarded under ``fail_open``."""
 
 
 def redis_unavailable(task: Any, key: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any],

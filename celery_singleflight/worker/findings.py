@@ -182,8 +182,9 @@ def ttl_findings(target: LeaseRedis) -> list[Finding]:
 
     The heartbeat renews through the shared client, whose call is bounded by its timeouts, not
     by the lease: on dropped packets one renewal blocks ``attempts x socket_timeout`` (3 x 5 s).
-    ``self.lease.check()`` and ``progress()`` read the lease's own clock and stop in time anyway;
-    ``lease.lost``, the ``lease_lost`` signal and its log line wait for the blocked call.
+    ``self.lease.check()``, ``progress()`` and ``lease.lost`` read the lease's own clock and stop
+    in time anyway; a body that reads none of them, and the ``lease_lost`` signal and its log line,
+    wait for the blocked call.
     """
     kwargs = target.client.connection_pool.connection_kwargs
     timeout = kwargs.get("socket_timeout")
@@ -208,9 +209,9 @@ def ttl_findings(target: LeaseRedis) -> list[Finding]:
         f"on the lease Redis {target.shown}, one renewal that meets dropped packets can block the"
         f" heartbeat for up to {_seconds(bound)} ({attempts} attempts x socket_timeout"
         f" {_seconds(float(timeout))}), longer than the lease TTL of tasks {groups}: for them"
-        " lease.lost, the lease_lost signal and its log line can come after the lease expired and"
-        " another run took the key (self.lease.check() and self.progress() read the lease's own clock"
-        f" and stop in time); use a TTL of at least {_seconds(bound)} where code relies on lease.lost",
+        " the lease_lost signal and its log line can come after the lease expired and another run took"
+        " the key (self.lease.check(), self.lease.lost and self.progress() read the lease's own clock"
+        f" and stop in time); use a TTL of at least {_seconds(bound)} where code relies on the signal",
         target.shown, "ttl",
     )]
 

@@ -30,7 +30,9 @@ from typing import Any
 import pytest
 from redis.cluster import RedisCluster
 
-from celery_singleflight import StatusReader, is_skipped, store_for
+from celery_singleflight import is_skipped
+from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.testing.engines import RedisClusterServers
 

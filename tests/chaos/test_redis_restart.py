@@ -19,6 +19,8 @@ import pytest
 
 import celery_singleflight as sf
 from celery_singleflight.fencing import FencedValue, fenced_get, fenced_set
+from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing import RedisServer
 
 from .conftest import Workers, interval_overlaps, overlaps, round3, runs, wait_for
@@ -111,7 +113,7 @@ def test_fences_keep_growing_after_a_restore_from_an_older_snapshot(
         b, c = fence(), fence()
         lease.kill()
         lease.start()  # loads dump.rdb: the records of B and C are gone, A's is back
-        back = sf.StatusReader(sf.store_for(f"{lease.url}/2", "sf")).read("r:snap")
+        back = StatusReader(store_for(f"{lease.url}/2", "sf")).read("r:snap")
         restored = None if back is None else back.fence
         d, e = fence(), fence()
         worker.stop(timeout=15)

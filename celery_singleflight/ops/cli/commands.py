@@ -38,6 +38,7 @@ from .plumbing import (
     handled,
     held_runs,
     key_and_reader,
+    namespace_option,
     not_held,
     option,
     preload,
@@ -76,6 +77,7 @@ def singleflight(ctx: click.Context, /, **kwargs: Any) -> None:
 @singleflight.command(cls=CeleryCommand)
 @option("--prefix", default="", metavar="PREFIX", help="Only keys that start with PREFIX (e.g. 'sync:').")
 @_json_option
+@namespace_option
 @click.pass_context
 def ls(ctx: click.Context, prefix: str, as_json: bool) -> None:
     """List the held keys: holder task, state, progress, age and lease time left.
@@ -107,6 +109,7 @@ _task_option = option(
 @click.argument("words", nargs=-1, metavar="KEY | --task NAME ARGS...")
 @_task_option
 @_json_option
+@namespace_option
 @click.pass_context
 def show(ctx: click.Context, words: tuple[str, ...], task_name: str | None, as_json: bool) -> None:
     """Everything known about KEY: holder, state, progress, times (ISO and relative).
@@ -155,6 +158,7 @@ def show(ctx: click.Context, words: tuple[str, ...], task_name: str | None, as_j
     "--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
     help="Give up after SECONDS (exit 5) if the run has not ended by then.",
 )
+@namespace_option
 @click.pass_context
 def watch(
     ctx: click.Context, words: tuple[str, ...], task_name: str | None, slot: int | None, holder: str | None,
@@ -275,6 +279,7 @@ def _follow_rich(st: KeyStatus, events: Iterator[WatchEvent], no_color: bool) ->
 @_holder_option
 @option("-f", "--force", is_flag=True, help="Do not ask for confirmation.")
 @_json_option
+@namespace_option
 @click.pass_context
 def release(
     ctx: click.Context, words: tuple[str, ...], task_name: str | None, slot: int | None, holder: str | None,

@@ -25,7 +25,8 @@ from .format import duration, where_text
 
 __all__ = ["EXIT_AMBIGUOUS", "EXIT_CONFIG", "EXIT_ENDED_OTHERWISE", "EXIT_INTERRUPTED", "EXIT_NOT_HELD",
            "EXIT_OK", "EXIT_REDIS", "EXIT_TIMEOUT", "app_of", "choose_run", "exit_with", "handled",
-           "held_runs", "key_and_reader", "not_held", "option", "preload", "reader_of"]
+           "held_runs", "key_and_reader", "namespace_option", "not_held", "option", "preload",
+           "reader_of"]
 
 EXIT_OK = 0
 EXIT_NOT_HELD = 1
@@ -74,9 +75,27 @@ def handled(ctx: click.Context) -> Iterator[None]:
         exit_with(ctx, EXIT_INTERRUPTED, "interrupted")
 
 
+#: where ``--namespace`` leaves its value for the command's readers
+_NAMESPACE = "celery_singleflight.namespace"
+
+
+def _remember_namespace(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        ctx.meta[_NAMESPACE] = value
+    return value
+
+
+#: ``--namespace NS``: the keys of tasks that have their own ``lock_namespace``
+namespace_option = click.option(
+    "--namespace", default=None, metavar="NS", expose_value=False, callback=_remember_namespace,
+    cls=CeleryOption, help_group=_GROUP,
+    help="The lock_namespace of tasks that have their own (default: singleflight_namespace).",
+)
+
+
 def reader_of(ctx: click.Context) -> StatusReader:
     try:
-        return reader(app_of(ctx))
+        return reader(app_of(ctx), ctx.meta.get(_NAMESPACE))
     except ValueError as exc:  # ConfigurationError, or a Redis URL redis-py cannot parse
         exit_with(ctx, EXIT_CONFIG, f"Error: configuration: {exc}")
 
@@ -119,6 +138,10 @@ def key_and_reader(
         key = str(task.render_key(*args, **kwargs))
     except (KeyTemplateError, TypeError) as exc:
         exit_with(ctx, EXIT_CONFIG, f"Error: {task_name} {' '.join(words)}: {exc}")
+    asked = ctx.meta.get(_NAMESPACE)
+    if asked is not None and asked != task.options.namespace:
+        exit_with(ctx, EXIT_CONFIG, f"Error: --namespace {asked} is not the namespace of {task_name}"
+                  f" ({task.options.namespace}); leave --namespace out with --task")
     return key, StatusReader(task.store, app)
 
 
