@@ -470,24 +470,17 @@ def markdown(variants: Sequence[Variant], args: argparse.Namespace, host: str, s
     parts = [
         "## Contended keys, per duplicate policy (`benchmarks/bench_contended.py`)",
         "",
-        f"Reproduce with `.venv/bin/python benchmarks/bench_contended.py` (or `make bench`; `--tasks N`, "
-        f"`--keys K`, `--order`, `--rounds N`, `--redis-url URL`). Machine: {host}.",
+        f"Alone: `.venv/bin/python benchmarks/bench_contended.py` (`--tasks N`, `--keys K`, `--order`, "
+        f"`--rounds N`, `--redis-url URL`). Measured {host}.",
         "",
         f"{args.tasks:,} tasks over {args.keys} keys ({per_key:g} per key, order `{args.order}`), "
         f"each body sleeping {args.sleep * 1e3:g} ms, published in one burst, then drained by one fresh "
         f"`celery worker --pool prefork --concurrency {CONCURRENCY}` (Redis broker, results in the "
         f"Redis result backend for every variant). {setup}",
         "",
-        "Expected: `raise`, `skip` and `join` run about one body per key per holder window (the "
-        "others are turned away, or for `join` answered with the holder's result); `retry` and "
-        "`queue` run every task, one at a time per key; celery-once and celery-singleton lock in "
-        "`apply_async`, so with the burst published before the worker starts only the first task "
-        "per key is sent at all. \"Ran twice at once\" comes from an independent recorder (a "
-        "per-key counter incremented at the body's start and decremented at its end, in a Redis DB "
-        "the library never touches); wall time is first task start to last task end inside the "
-        "worker; runs/s = bodies run / wall. Runs/s says how fast bodies ran, not how much of the "
-        "burst was done: read it with \"published\" and \"bodies run\" (a variant that drops "
-        "duplicates at dispatch runs few bodies, quickly).",
+        "\"Ran twice at once\" comes from an independent per-key counter in a Redis DB the library never "
+        "touches; runs/s = bodies run / (first start to last end). celery-once and celery-singleton lock "
+        "in `apply_async`, so only each key's first task is sent.",
         "",
         summary_table(variants, args),
     ]

@@ -57,11 +57,13 @@ from redis.client import Monitor
 from redis.lock import Lock
 from redis.utils import HIREDIS_AVAILABLE
 
-from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore, hold
+from celery_singleflight import Lease, hold
 from celery_singleflight.config.options import app_options
 from celery_singleflight.protocol import lease as lease_protocol
 from celery_singleflight.protocol import lua
 from celery_singleflight.protocol.fields import PATTERNS, TEMPLATES
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.guard import options_store
 from celery_singleflight.run.heartbeat import Heartbeat
 
@@ -423,7 +425,7 @@ def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
 
     rows: list[tuple[str, str, str, str, str]] = [
         (
-            f"uncontended acquire+release pairs/s, library lease path ({seconds:g} s, 1 client)",
+            f"acquire+release pairs/s, lease path ({seconds:g} s, 1 client)",
             per_pair(ours.pairs_per_second),
             per_pair(theirs.pairs_per_second),
             f"≥ {MIN_RATIO_TO_LOCK:.1f} x Lock",
@@ -457,28 +459,28 @@ def table(ours: Results, theirs: Results, hold_rate: float, seconds: float,
         ))
     rows += [
         (
-            "Redis server time per pair (INFO commandstats: the scripts, and Lock's SET)",
+            "Redis server time per pair (INFO commandstats)",
             "n/a" if ours.server_us_per_pair is None else f"{ours.server_us_per_pair:.1f} µs",
             "n/a" if theirs.server_us_per_pair is None else f"{theirs.server_us_per_pair:.1f} µs",
             "—",
             "info",
         ),
         (
-            "round trips per pair, client (send_packed_command calls)",
+            "round trips per pair, client",
             _num(ours.client_trips_per_pair),
             _num(theirs.client_trips_per_pair),
             f"{MAX_TRIPS_PER_PAIR}",
             _verdict(ours.client_trips_per_pair, lambda v: v <= MAX_TRIPS_PER_PAIR),
         ),
         (
-            "round trips per pair, server (MONITOR lines of our connection)",
+            "round trips per pair, server (MONITOR)",
             _num(ours.server_trips_per_pair),
             _num(theirs.server_trips_per_pair),
             f"{MAX_TRIPS_PER_PAIR}",
             _verdict(ours.server_trips_per_pair, lambda v: v <= MAX_TRIPS_PER_PAIR),
         ),
         (
-            "Redis commands per pair, counted by the server (incl. inside Lua)",
+            "Redis commands per pair (server, incl. Lua)",
             _num(ours.server_commands_per_pair),
             _num(theirs.server_commands_per_pair),
             f"≤ {MAX_COMMANDS_PER_PAIR}",
@@ -735,22 +737,15 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
                        server_instructions)
         breakdown = server_breakdown(server, namespace, server_instructions)
         notes = (
-            "Verdicts are for celery_singleflight; redis-py Lock is the baseline, measured in the same "
-            f"run in {max(2, round(seconds / SLICE))} alternating slices; a ratio is the median of the "
-            "per-slice paired ratios (each slice of ours against the Lock slice run next to it), with "
-            "the lowest and highest slice in brackets. Its renewal pass "
-            f"is {RENEWED_LEASES:,} reacquire() calls: it has no batch renewal. Ceiling for any "
-            f"2-round-trip pair with this client: two PINGs = {ceiling:,.0f}/s ({1e6 / ceiling:.1f} µs), "
-            "measured interleaved with the pairs above."
+            f"redis-py's Lock is measured in the same run in {max(2, round(seconds / SLICE))} alternating "
+            "slices; a ratio is the median of the paired per-slice ratios (lowest and highest in "
+            f"brackets). Its renewal pass is {RENEWED_LEASES:,} reacquire() calls (it has no batch "
+            f"renewal). Two PINGs, the ceiling of any 2-round-trip pair: {ceiling:,.0f}/s."
         )
         breakdown_note = (
-            "Where a script's server time goes: each row is one part run alone, as its own script "
-            "(so each includes the empty script's cost; a lease script's parts add up less one such "
-            "cost per part). The microseconds move from run to run on a shared machine; the "
-            "instruction counts do not. An uncontended pair of a plain run takes the plain path of both "
-            "scripts: each unpacks its call, does one GET, one TIME and one SET, and reads the run record as "
-            "text; no helper is made and no JSON is decoded or encoded (the general path's rows). "
-            "redis-py's Lock does none of it: it records no holder, fence, status or outcome."
+            "Each row is one part of a lease script run alone as its own script (so each includes the "
+            "empty script's cost). An uncontended pair takes the plain path of both scripts; the "
+            "general path's rows are for runs with a queue, joined runs or progress."
         )
         print()
         print(report)
@@ -768,9 +763,9 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
                               highlight="celery_singleflight lease path")
             write_section("lease", "\n\n".join(filter(None, [
                 "## Lease cost (`benchmarks/bench_lease.py`)",
-                "Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_lease.py --callgrind` "
+                "Alone: `.venv/bin/python benchmarks/bench_lease.py --callgrind` "
                 f"(a private redis-server {server.version()}, parser {parser_description(ours.client)}).",
-                f"Measured {machine()}.", report, notes, chart, breakdown, breakdown_note,
+                f"Measured {machine()}.", report, notes, chart,
             ])))
     finally:
         deleted = server.delete_namespace(namespace)

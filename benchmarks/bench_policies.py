@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     lines = [
         "## Supersede and coalesce (`benchmarks/bench_policies.py`)",
         "",
-        "Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_policies.py` (one prefork"
+        "Alone: `.venv/bin/python benchmarks/bench_policies.py` (one prefork"
         f" worker, concurrency {CONCURRENCY}, lease TTL {TTL:g} s, so the heartbeat renews every"
         f" {interval:g} s; a private redis-server).",
         "",
@@ -144,13 +144,12 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
         row("supersede: newcomer sent -> old run told (`self.lease.superseded`)", told,
             f"0 to one heartbeat interval ({interval:g} s), about half on average"),
         row("supersede: newcomer sent -> newcomer started", started,
-            "the above, plus the old run's stop, its release and the hand-off"),
+            "the above, plus the old run's stop and the hand-off"),
         row("coalesce: holder released -> pending run started", handoff,
             "the queue's hand-off through the broker (budget p50 ≤ 20 ms)"),
         "",
-        f"Mean of the first row: {ms(statistics.fmean(told))} (half an interval: {ms(interval / 2)}). The old"
-        " run learns of its supersede from its renewal, not by a round trip of its own, so a shorter"
-        " `lock_ttl` (or `heartbeat_interval`) tells it sooner, at the cost of more renewals.",
+        f"Mean of the first row: {ms(statistics.fmean(told))}. A superseded run learns it at its next"
+        " renewal, so a shorter `lock_ttl` (or `heartbeat_interval`) tells it sooner.",
     ]
     report = "\n".join(lines)
     print(report)

@@ -66,10 +66,12 @@ from typing import Any
 import redis
 from benchutil import delete_matching, machine, redis_for, write_section
 
-from celery_singleflight import Acquired, Holder, KeyLayout, Lease, LeaseStore
+from celery_singleflight import Lease
 from celery_singleflight.errors import LeaseLost
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.lease import ProgressReply
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.heartbeat import Heartbeat
 from celery_singleflight.run.progress import ProgressReporter, ProgressUpdate, make_update
 

@@ -140,20 +140,17 @@ class Bench:
         if variant in SF_VARIANTS:
             opts = task.options
             policy = opts.on_duplicate
-            waits = ("`queue`: parked in Redis, handed the key by the sweeper of the surviving worker"
+            waits = ("`queue`: parked in Redis, handed the key by the surviving worker's sweeper"
                      if policy == "queue" else
                      f"`retry`: backoff capped by the lease time left, max_wait {opts.max_wait:g} s")
-            default = " (the default)" if task.lock_ttl is None else f" (lock_ttl={task.lock_ttl:g})"
-            return waits, (f"lease TTL {opts.ttl:g} s{default}, renewed every "
-                           f"{opts.heartbeat_interval:.3g} s while alive")
+            return waits, f"lease TTL {opts.ttl:g} s, renewed every {opts.heartbeat_interval:.3g} s"
         if variant == "once":
-            return ("the producer re-sends every " f"{self.args.resend:g} s (refused: `REJECTED`)",
-                    f"timeout {task.default_timeout:,} s (its default: no `default_timeout` set)")
+            return ("re-sent by the producer (refused: `REJECTED`)",
+                    f"timeout {task.default_timeout:,} s (its default)")
         if variant == "singleton":
             expiry = task.lock_expiry if task.lock_expiry is not None else task.singleton_config.lock_expiry
-            return (f"the producer re-sends every {self.args.resend:g} s (answered with the dead "
-                    "holder's `AsyncResult`)",
-                    "none (its default `singleton_lock_expiry`: unset, `SET NX` without expiry)"
+            return ("re-sent by the producer (answered with the dead holder's `AsyncResult`)",
+                    "none (its default: `SET NX` without expiry)"
                     if expiry is None else f"{expiry:,} s")
         return (f"`self.retry(countdown={self.ra.SETNX_RECHECK:g})` while the lock is taken",
                 f"`SET NX EX {self.ra.SETNX_EX}` ({self.ra.SETNX_EX:,} s)")
@@ -177,7 +174,7 @@ class Bench:
             st = celery_singleflight.status(self.ra.app, task.render_key(key, "holder", 0.0))
             left = st.ttl_left if st is not None and st.held else None
             lease = "not held" if left is None else f"lease {_s(left)} left"
-            return f"{lease} (run record PTTL {pttl / 1000:,.1f} s, incl. status retention)", left
+            return f"{lease} (record PTTL {pttl / 1000:,.1f} s)", left
         if pttl == -1:
             return "PTTL -1: no expiry", None
         if pttl == -2:
@@ -295,13 +292,13 @@ def recovered_text(r: Result, window: float) -> str:
     if r.recovered is not None:
         return f"**{r.recovered:,.2f} s**"
     if r.left_seconds is None:
-        return f"not within {window:g} s: never (no expiry)"
-    return f"not within {window:g} s: expires after {r.left_seconds:,.0f} s more"
+        return "never (no expiry)"
+    return f"not within {window:g} s ({r.left_seconds:,.0f} s left)"
 
 
 def table(results: list[Result], window: float) -> str:
-    lines = ["| variant | duplicate waits by | configured expiry | left on the lock right after the kill "
-             "| key taken again after the kill | killed task ran again |",
+    lines = ["| variant | duplicate waits by | expiry | left after the kill | key taken again after "
+             "| killed task ran again |",
              "|---|---|---|---|---:|---|"]
     for r in results:
         again = "yes" if r.holder_again else f"no (observed {r.observed:,.1f} s)"
@@ -315,16 +312,14 @@ def markdown(results: list[Result], failed: list[str], args: argparse.Namespace,
     parts = [
         "## Crash recovery: `kill -9` of the holder's worker (`benchmarks/bench_recovery.py`)",
         "",
-        f"Reproduce with `.venv/bin/python benchmarks/bench_recovery.py` (or `make bench`; `--window S`, "
-        f"`--held S`, `--redis-url URL`). Machine: {host}.",
+        f"Alone: `.venv/bin/python benchmarks/bench_recovery.py` (`--window S`, `--held S`, "
+        f"`--redis-url URL`). Measured {host}.",
         "",
-        f"The holder runs on worker A (prefork, concurrency 1) and has held its key for {args.held:g} s; "
-        "a duplicate waits on worker B (or, for the two libraries that lock in `apply_async`, the "
-        f"producer keeps sending one every {args.resend:g} s). Then A's whole process group (main "
-        "process and pool) gets `SIGKILL`, the time left on the lock is read at once, and the "
-        "recorder is watched for the key's next body start, at most "
-        f"{args.window:g} s. Expiries longer than that are not waited out: the PTTL read right "
-        f"after the kill says when they would end. {setup}",
+        f"The holder has held its key for {args.held:g} s on worker A when A's whole process group gets "
+        "`SIGKILL`; a duplicate waits on worker B (for the libraries that lock in `apply_async`, the "
+        f"producer re-sends every {args.resend:g} s). Expiries beyond {args.window:g} s are not waited "
+        f"out: the PTTL read after the kill says when they end. Our run record outlives the lease by the "
+        f"status retention. {setup}",
         "",
         table(results, args.window),
     ]

@@ -199,7 +199,7 @@ def report(cost: dict[str, Any], sched: dict[str, dict[str, Any]], tasks: int, s
     lines = [
         "## Time policies (`benchmarks/bench_time_policies.py`)",
         "",
-        "Reproduce with `make bench` or `.venv/bin/python benchmarks/bench_time_policies.py` (a private"
+        "Alone: `.venv/bin/python benchmarks/bench_time_policies.py` (a private"
         " redis-server on loopback, a real prefork worker with 2 processes for the rate limit).",
         "",
         f"Measured {machine()}.",
@@ -232,12 +232,9 @@ def report(cost: dict[str, Any], sched: dict[str, dict[str, Any]], tasks: int, s
         )
     lines += [
         "",
-        "`steady` is the scheduling error proper: the worker keeps up, and a delayed run starts within"
-        " milliseconds of its cell. In `all at once`, every message must first be taken by a pool process"
-        " and turned into a reservation; the cells planned in that time come due while the rest of the"
-        " backlog is still queued ahead of their re-sends (prefetch multiplier 1, two processes), so the"
-        " early cells start late by the time it takes to drain the backlog, and the later ones on time:"
-        " that tail is the worker's throughput, not the timer. The planned starts obey the limit in both.",
+        "`steady`: the worker keeps up, and a delayed run starts within milliseconds of its cell. In"
+        " `all at once`, the tail is the worker draining the backlog ahead of the re-sends, not the"
+        " timer. The planned starts obey the limit in both.",
     ]
     return "\n".join(lines)
 

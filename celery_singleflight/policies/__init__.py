@@ -59,20 +59,18 @@ class PolicyOptions(OptionGroup):
 
     on_duplicate = Option[str](
         task="on_duplicate", default="raise", check=choice(POLICY_NAMES),
-        meaning="What a run does when another run holds its key: see [duplicate policies](policies.md). A"
-        " task called directly or eagerly (`task()`, `.apply()`, `task_always_eager`) has no message to"
-        " re-send, so a duplicate there always raises `LockHeld`.",
-        values=f"One of {_POLICY_LIST}. `join` also needs `ignore_result=False`, a result backend and"
-        " `max_concurrency=1`.",
+        meaning="What a run does when another run holds its key ([duplicate policies](policies.md)). A"
+        " direct or eager call (`task()`, `.apply()`, `task_always_eager`) has no message to re-send: a"
+        " duplicate there raises `LockHeld`.",
+        values="`raise`, `skip`, `retry`, `queue`, `join`, `coalesce` or `supersede`; `join` needs"
+        " `ignore_result=False`, a result backend and `max_concurrency=1`.",
     )
     on_beat_duplicate = Option[str](
         task="on_beat_duplicate", check=choice(POLICY_NAMES), read=_beat_policy, default_text="`\"skip\"`",
-        precedence="the task's `on_beat_duplicate` > the task's own `on_duplicate` (if it sets one) > this"
-        " setting > `\"skip\"`",
+        precedence="the task's `on_beat_duplicate` > its own `on_duplicate` > this setting > `\"skip\"`",
         meaning="The policy for a `celery beat` tick that finds its key held (beat marks its messages with"
-        " the `celery_beat_task` header, Celery 5.5 and later); calls from your code keep `on_duplicate`."
-        " See [beat](beat.md).",
-        values=f"One of {_POLICY_LIST}.",
+        " the `celery_beat_task` header, Celery 5.5+); other calls keep `on_duplicate` ([beat](beat.md)).",
+        values="As `on_duplicate`.",
     )
 
 

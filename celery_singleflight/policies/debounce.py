@@ -73,32 +73,31 @@ class DebounceOptions(OptionGroup):
     title = "Debounce"
 
     debounce = Option[Any](
-        setting=False, task="debounce", check=anything, default_text="none: no debounce",
+        setting=False, task="debounce", check=anything, default_text="none",
         meaning="Seconds of quiet before a burst of calls on one key becomes one run ([time"
-        " policies](time-policies.md)). Each `apply_async` records the call (one round trip) and sends"
-        " it with a countdown; the burst's first call runs, with the last call's arguments"
-        " (`debounce_keep`), once no call came for this long; the other calls end `SUCCESS` with"
-        " `{\"singleflight\": \"debounced\", \"into\": <run's task id>}` (`is_debounced()`).",
-        values="A number of seconds above zero.",
+        " policies](time-policies.md)). Each `apply_async` records the call (one round trip) and sends it"
+        " with a countdown; the burst's first call runs, with the kept call's arguments (`debounce_keep`),"
+        " once no call came for this long; the others end `SUCCESS` with `{\"singleflight\": \"debounced\","
+        " \"into\": <task id>}` (`is_debounced()`).",
+        values="Seconds, above zero.",
     )
     debounce_max_wait = Option[Any](
         setting=False, task="debounce_max_wait", check=anything,
-        default_text="none: a burst waits as long as calls keep coming",
-        meaning="The longest a burst waits for quiet: its run starts at most this many seconds after its"
-        " first call, even while calls keep coming.",
-        values="A number of seconds, at least `debounce`; only with `debounce`.",
+        default_text="none",
+        meaning="The longest a burst waits for quiet: its run starts at most this long after its first call.",
+        values="Seconds, at least `debounce`; needs `debounce`.",
     )
     debounce_keep = Option[Any](
         setting=False, task="debounce_keep", check=anything, default_text="`\"last\"`",
-        meaning="Which call's arguments the burst's run gets: the last one's (stored as JSON in Redis) or the"
-        " first one's.",
-        values="`\"last\"` or `\"first\"`; only with `debounce`.",
+        meaning="Which call's arguments the run gets: the last one's (stored as JSON in Redis) or the first"
+        " one's.",
+        values="`\"last\"` or `\"first\"`; needs `debounce`.",
     )
     debounce_key = Option[Any](
         setting=False, task="debounce_key", check=anything, default_text="the lock key",
-        meaning="The key calls are grouped by, when it is not the lock key (e.g. debounce per chat, lock per"
+        meaning="The key calls are grouped by, if not the lock key (e.g. debounce per chat, lock per"
         " account).",
-        values="A template or callable, as `lock_key`; only with `debounce`.",
+        values="A template or callable, as `lock_key`; needs `debounce`.",
     )
 
 

@@ -59,38 +59,36 @@ class DuplicateOptions(OptionGroup):
 
     max_wait = Option[float](
         task="max_wait", default=60.0, check=seconds(allow_zero=True),
-        meaning="The `retry` policy: how long, in seconds from its first attempt, a duplicate keeps being"
-        " re-sent. After that it fails with `LockHeld`, as `raise` would. Each re-send waits a jittered"
-        " backoff that doubles from 0.1 s and is never longer than the holder's lease time left"
-        " ([details](policies.md#retry)).",
-        values="A number of seconds, zero or more (zero: give up at the first duplicate).",
+        meaning="The `retry` policy: how long from its first attempt a duplicate keeps being re-sent; then"
+        " it fails with `LockHeld`, as `raise` would ([details](policies.md#retry)).",
+        values="Seconds, zero or more (zero: give up at the first duplicate).",
     )
     retry_backoff = Option[float](
         task="retry_backoff", check=_backoff, default_text="0.1 s",
-        meaning="The `retry` policy's first wait, doubling after it; never longer than the holder's lease"
-        " time left ([policies](policies.md#retry)). Named as Celery's autoretry option, and shared"
-        " with it on a task that also uses `autoretry_for`. Unset: 0.1 s.",
-        values="Seconds, more than zero; `True` for 1 s; `False` keeps every wait at 0.1 s (no doubling).",
+        meaning="The `retry` policy's first wait, doubling after it, never longer than the holder's lease"
+        " time left ([policies](policies.md#retry)). A task that also uses `autoretry_for` shares it with"
+        " Celery's option of that name.",
+        values="Seconds, above zero; `True` for 1 s; `False` keeps every wait at 0.1 s.",
     )
     #: each wait of the ``retry`` policy doubles the one before (``retry_backoff`` is not False)
     retry_backoff_grows = Derived[bool](lambda ctx: ctx.raw["retry_backoff"] is not False)
     retry_backoff_max = Option["float | None"](
         task="retry_backoff_max", check=seconds(optional=True),
-        default_text="none (the holder's lease time left and `max_wait` cap the waits)",
-        meaning="The `retry` policy's longest wait. Unset: only the holder's lease time left and"
-        " `max_wait` cap the waits.",
-        values="Seconds, more than zero.",
+        default_text="none",
+        meaning="The `retry` policy's longest wait. Unset: only the holder's lease time left and `max_wait`"
+        " cap the waits.",
+        values="Seconds, above zero.",
     )
     retry_jitter = Option[bool](
         task="retry_jitter", default=True, check=flag(),
-        meaning="Whether the `retry` policy waits a random time between half and all of the computed wait,"
-        " so that many duplicates do not come back at once.",
+        meaning="Whether the `retry` policy waits a random half to all of each wait, so that duplicates do"
+        " not come back at once.",
         values="`True` or `False`.",
     )
     max_queued = Option["int | None"](
         task="max_queued", check=count(0, optional=True), default_text="no limit",
-        meaning="The `queue` policy: how many runs may wait per key. A duplicate beyond it fails with"
-        " `QueueFull` (a `LockHeld`), logged at WARNING. Periodic tasks should set 1 ([beat](beat.md)).",
+        meaning="The `queue` policy: how many runs may wait per key; one more fails with `QueueFull` (a"
+        " `LockHeld`), logged at WARNING. Periodic tasks should set 1 ([beat](beat.md)).",
         values="A whole number, zero or more.",
     )
 

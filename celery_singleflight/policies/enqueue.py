@@ -36,17 +36,17 @@ class EnqueueOptions(OptionGroup):
 
     dedup_enqueue = Option[bool](
         task="dedup_enqueue", default=False, check=flag(),
-        meaning="Enqueue-time dedup: `delay()` / `apply_async()` of a task whose key is already queued or"
-        " running returns that task's `AsyncResult` instead of sending a second message"
-        " ([flow control](flow.md#enqueue-time-dedup)). Sends by name (`send_task`, beat) and sends"
-        " with their own `task_id` are not deduplicated; the lease still covers them when they run.",
+        meaning="`delay()` / `apply_async()` of a task whose key is already queued or running returns that"
+        " task's `AsyncResult` instead of sending again ([flow control](flow.md#enqueue-time-dedup)). Sends"
+        " by name (`send_task`, beat) or with their own `task_id` are not deduplicated; the lease still"
+        " covers them.",
         values="`True` or `False`.",
     )
     dedup_ttl = Option[float](
         task="dedup_ttl", default=3600.0, check=seconds(),
-        meaning="A safety expiry of an enqueue marker, for a message lost in the broker. The marker normally"
-        " goes when its run ends.",
-        values="A number of seconds, more than zero.",
+        meaning="The expiry of an enqueue marker, for a message lost in the broker; the marker normally goes"
+        " when its run ends.",
+        values="Seconds, above zero.",
     )
 
 

@@ -37,17 +37,16 @@ class IdempotencyOptions(OptionGroup):
     title = "Idempotency"
 
     idempotency_key = Option[Any](
-        setting=False, task="idempotency_key", check=anything, default_text="none: no idempotency window",
+        setting=False, task="idempotency_key", check=anything, default_text="none",
         meaning="The key under which a successful run is remembered for `idempotency_ttl`"
         " ([idempotency](idempotency.md)); independent of `lock_key`.",
         values="A template or callable, as `lock_key`.",
     )
     idempotency_ttl = Option[float](
         task="idempotency_ttl", default=3600.0, check=seconds(),
-        meaning="How long a successful run is remembered under its `idempotency_key`: a later run with the"
-        " same idempotency key returns the remembered result without running"
-        " ([idempotency](idempotency.md)).",
-        values="A number of seconds, more than zero.",
+        meaning="How long a successful run is remembered: a later run with the same idempotency key returns"
+        " its result without running ([idempotency](idempotency.md)).",
+        values="Seconds, above zero.",
     )
 
 

@@ -54,25 +54,24 @@ class NewestOptions(OptionGroup):
 
     coalesce_keep = Option[str](
         task="coalesce_keep", default="last", check=choice(("last", "first")),
-        meaning="The `coalesce` policy: which duplicate stays the one pending run of a held key. `\"last\"`:"
-        " a later-sent duplicate replaces the pending run, which ends SUCCESS with a \"coalesced into"
-        " <id>\" result (`is_coalesced()`); `\"first\"`: the pending run stays and later duplicates"
-        " end that way ([policies](policies.md#coalesce)).",
+        meaning="The `coalesce` policy: which duplicate stays the key's one pending run. `\"last\"`: a later"
+        " duplicate replaces it, and the replaced one ends SUCCESS with a \"coalesced into <id>\" result"
+        " (`is_coalesced()`); `\"first\"`: the pending run stays and later duplicates end that way"
+        " ([policies](policies.md#coalesce)).",
         values="`\"last\"` or `\"first\"`.",
     )
     supersede_grace = Option[float](
         task="supersede_grace", default=10.0, check=seconds(allow_zero=True),
-        meaning="The `supersede` policy: how long a superseded run may take to stop by itself (it learns at"
-        " its next `self.lease.check()` or `self.progress()`, which raise `Superseded`, or from"
-        " `self.lease.superseded`) before it is revoked with `terminate=True`"
-        " ([policies](policies.md#supersede)). Zero revokes at once.",
-        values="A number of seconds, zero or more.",
+        meaning="The `supersede` policy: how long a superseded run may take to stop by itself (its next"
+        " `self.lease.check()` or `self.progress()` raises `Superseded`; `self.lease.superseded` tells it)"
+        " before it is revoked with `terminate=True` ([policies](policies.md#supersede)). Zero revokes at"
+        " once.",
+        values="Seconds, zero or more.",
     )
     supersede_signal = Option[str](
         task="supersede_signal", default="SIGTERM", check=signal_name,
-        meaning="The `supersede` policy: the signal of the revoke that stops a superseded run after"
-        " `supersede_grace` (`SIGTERM` lets the task's `finally` blocks run; `SIGKILL` does not, and the"
-        " worker's main process releases the key).",
+        meaning="The `supersede` policy: the signal of that revoke. `SIGTERM` lets `finally` blocks run;"
+        " `SIGKILL` does not, and the worker's main process releases the key.",
         values="A signal name: `\"SIGTERM\"`, `\"SIGINT\"`, `\"SIGKILL\"`, ...",
     )
 

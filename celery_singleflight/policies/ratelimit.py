@@ -59,19 +59,19 @@ class RateOptions(OptionGroup):
     title = "Rate limit"
 
     key_rate_limit = Option[Any](
-        setting=False, task="key_rate_limit", check=anything, default_text="none: no rate limit",
-        meaning="How many runs of one key may start per second, minute or hour, counted in Redis across every"
-        " worker and process (Celery's own `rate_limit` counts per process). A run over it is not"
-        " refused: it is re-sent to start at the next free slot, shows `RETRY` meanwhile, and does not"
-        " spend `max_retries` ([time policies](time-policies.md)). Combines with `max_concurrency`.",
+        setting=False, task="key_rate_limit", check=anything, default_text="none",
+        meaning="How many runs of one key may start per second, minute or hour, across all workers (Celery's"
+        " `rate_limit` counts per process). A run over it is re-sent to start at the next free slot, shows"
+        " `RETRY` meanwhile and does not spend `max_retries` ([time policies](time-policies.md)). Combines"
+        " with `max_concurrency`.",
         values="`\"N/s\"`, `\"N/m\"` or `\"N/h\"` with N above zero (`\"10/m\"`, `\"0.5/s\"`), or a number"
-        " (per second). `\"10/x\"`, zero, negative and non-numeric values fail when the task is defined.",
+        " (per second); anything else fails when the task is defined.",
     )
     key_rate_burst = Option[Any](
         setting=False, task="key_rate_burst", check=anything, default_text="1: runs are spread evenly",
-        meaning="How many runs of one key may start at once on an idle key, with `key_rate_limit`. Any window"
-        " of W seconds holds at most `rate * W + key_rate_burst` starts.",
-        values="A whole number of at least 1; only with `key_rate_limit`.",
+        meaning="How many runs of an idle key may start at once. Any W seconds hold at most `rate * W +"
+        " key_rate_burst` starts.",
+        values="A whole number, at least 1; needs `key_rate_limit`.",
     )
 
 

@@ -38,16 +38,16 @@ __all__ = [
 #: handoff token prefix of the copy a turned-away redelivery parks behind its own run
 OWN_COPY = "own-"
 
-QUEUE = Part("queue", "list of `task id\\|handoff token`", "none (an empty list vanishes)",
-             "the `queue` policy's FIFO; an entry leaves only when its run adopts the key; also the copy of a"
-             " turned-away redelivery (token `own-…`, at the front)")
-PARKED = Part("parked", "hash: task id → message", "none (emptied with the queue)",
+QUEUE = Part("queue", "list of `task id\\|handoff token`", "none",
+             "the `queue` policy's FIFO (an entry leaves when its run adopts the key); a turned-away"
+             " redelivery's copy (token `own-…`, at the front)")
+PARKED = Part("parked", "hash: task id → message", "none",
               "the re-sendable messages of parked runs")
-JOINED = Part("joined", "list of messages", "none (emptied at the holder's end)",
+JOINED = Part("joined", "list of messages", "none",
               "the `join` policy: runs waiting for the holder's result")
 SETTLED = Part("settled", "hash: token → joined messages", duration(constants.SETTLE_KEEP),
-               "joined runs handed to a release, kept so that a re-sent release answers the same")
-WAITING = Part("waiting", "sorted set: key → when to look (ms)", "none (entries leave when nothing waits)",
+               "joined runs handed to a release, for its replay")
+WAITING = Part("waiting", "sorted set: key → when to look (ms)", "none",
                "keys with parked or joined runs, for the sweeper", index=True)
 PARTS = (QUEUE, PARKED, JOINED, SETTLED)
 
@@ -57,11 +57,11 @@ class HandoffFields(RecordBase):
 
     __slots__ = ()
 
-    reserved = Field(FLAG, "the slot is reserved for the parked run named by ``token``/``task_id``, which "
-                     "has not started yet", writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
+    reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
+                     writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
                      readers=("ops.keystatus", "policies.newest"))
-    by = Field(TEXT, "who made the reservation (a releasing token, a sweep's call id): a replay finds "
-               "it and answers with the same message",
+    by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
+               " the same",
                writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
     waiting = Field(FLAG, "runs wait in the key's queue: the release hands the key on",
                     writers=("ACQUIRE", "RELEASE", "PARK", "RESUME", "FORCE_RELEASE", "COALESCE"),
@@ -69,7 +69,7 @@ class HandoffFields(RecordBase):
     joined = Field(FLAG, "runs joined this run: its release hands their messages back",
                    writers=("ACQUIRE", "RELEASE", "JOIN", "RESUME", "FORCE_RELEASE"),
                    readers=())
-    released_by = Field(TEXT, "who force-released the run (an operator)", writers=("FORCE_RELEASE",),
+    released_by = Field(TEXT, "who force-released the run", writers=("FORCE_RELEASE",),
                         readers=("ops.keystatus",))
 
 

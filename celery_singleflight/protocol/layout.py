@@ -48,12 +48,10 @@ def duration(seconds: float) -> str:
 
 #: the run record of each slot of a key (see :mod:`.record`)
 RUN = Part("run", "string: JSON record", "lease TTL + keep while held; keep after the end",
-           "the lease (token, deadline, holder, fence) and the status of the slot's current or last run"
-           " (state, progress, outcome); `rt`/`by`/`lost` let a re-sent script answer as before; `v` is"
-           " the protocol version that wrote it", per_slot=True)
+           "the run record: the lease and the status of the slot's current or last run", per_slot=True)
 #: the progress history of each slot's run
 HISTORY = Part("history", "stream, `MAXLEN ~ history_length`", "as its record",
-               "replayable progress for watchers; only runs that report progress have one", per_slot=True)
+               "progress for watchers to replay; only runs that report progress have one", per_slot=True)
 
 
 def _escape(key: str) -> str:
@@ -116,7 +114,7 @@ class Layout:
 
 
 def parts_table(parts: Sequence[Part], namespace: str = "sf", key: str = "sync:42",
-                idempotency_key: str = 'msg:"acme":7') -> str:
+                idempotency_key: str = "msg:acme:7") -> str:
     """The Markdown table of ``parts`` for the docs."""
     layout = Layout(namespace)
     lines = ["| key | type | TTL | why |", "| --- | --- | --- | --- |"]

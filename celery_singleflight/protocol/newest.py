@@ -32,11 +32,10 @@ __all__ = [
 
 BOOK = Part("coalesce", "hash: `s:<id>` → send stamp, `o:<id>` → messages",
             f"{duration(constants.NEWEST_KEEP)} after its last change",
-            "`coalesce` and `supersede`: the pending run's send stamp, and the runs it replaced until they"
-            " are answered (a caller that died before answering them leaves them to the pending run's start)")
+            "`coalesce`, `supersede`: the pending run's send stamp; the runs it replaced, until answered")
 SUPERSEDING = Part("superseding", "sorted set: key → when to revoke (ms)",
-                   "none (entries leave with their holder)",
-                   "keys whose holder was superseded, for the sweeper's revoke after `supersede_grace`",
+                   "none",
+                   "keys whose holder was superseded, for the sweeper's revoke",
                    index=True)
 PARTS = (BOOK,)
 
@@ -46,16 +45,16 @@ class NewestFields(RecordBase):
 
     __slots__ = ()
 
-    sup_by = Field(TEXT, "the newest run that superseded this one: the holder must stop",
+    sup_by = Field(TEXT, "the run that superseded this one: the holder must stop",
                    writers=("ACQUIRE", "COALESCE"),
                    readers=("RELEASE", "RENEW", "PROGRESS", "ops.keystatus", "policies.newest",
                             "protocol.newest"))
-    sup_at = Field(MS, "when the run was first superseded (server ms)", writers=("ACQUIRE", "COALESCE"),
+    sup_at = Field(MS, "when the run was first superseded", writers=("ACQUIRE", "COALESCE"),
                    readers=("protocol.newest",))
-    sup_due = Field(MS, "when the superseded run is revoked unless it has ended (server ms)",
+    sup_due = Field(MS, "when the superseded run is revoked unless it has ended",
                     writers=("ACQUIRE", "COALESCE"),
                     readers=("policies.newest", "protocol.newest"))
-    sup_sig = Field(TEXT, "the revoke's signal (``supersede_signal``)", writers=("ACQUIRE", "COALESCE"),
+    sup_sig = Field(TEXT, "the revoke's signal", writers=("ACQUIRE", "COALESCE"),
                     readers=("policies.newest",))
 
 

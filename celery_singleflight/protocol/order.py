@@ -25,12 +25,11 @@ __all__ = [
 
 BOOK = Part("order", "hash: `sent`, `next`, `w:<seq>` → message, ...",
             f"{duration(constants.ORDER_KEEP)} after its last change",
-            "`ordered=True`: the last sequence number sent, the next one to start, the messages of runs"
-            " waiting for their turn, the skipped ones")
-WAITING_NUMBERS = Part("orderq", "sorted set: sequence numbers waiting", "as `order`",
-                       "`ordered=True`: which runs wait for their turn, smallest first")
-ORDERING = Part("ordering", "sorted set: key → when to look (ms)", "none (entries leave when nothing waits)",
-                "`ordered=True` keys with runs waiting for their turn, for the sweeper's gap skip",
+            "`ordered=True`: the last number sent, the next to start, waiting and skipped runs")
+WAITING_NUMBERS = Part("orderq", "sorted set: sequence numbers", "as `order`",
+                       "`ordered=True`: the waiting numbers, smallest first")
+ORDERING = Part("ordering", "sorted set: key → when to look (ms)", "none",
+                "`ordered=True` keys with waiting runs, for the sweeper's gap skip",
                 index=True)
 PARTS = (BOOK, WAITING_NUMBERS)
 

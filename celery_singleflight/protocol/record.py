@@ -38,62 +38,62 @@ class LeaseFields(RecordBase):
 
     __slots__ = ()
 
-    v = Field(TEXT, "the protocol version that wrote the record (absent: protocol 1); a script that"
-              " cannot read it answers FOREIGN", writers=_RECORD_WRITERS, readers=())
-    token = Field(TEXT, "the owner token of the running lease (or of the parked run a slot is reserved"
-                  " for); absent once released", writers=_RECORD_WRITERS,
+    v = Field(TEXT, "the protocol version that wrote the record (absent: 1); a script that cannot"
+              " read it answers FOREIGN", writers=_RECORD_WRITERS, readers=())
+    token = Field(TEXT, "the lease's owner token (or the parked run's the slot is reserved for); absent"
+                  " once released", writers=_RECORD_WRITERS,
                   readers=("RENEW", "PROGRESS", "REVISE_OUTCOME", *_HELD_READERS, "ops.keystatus",
                            "protocol.reads", "worker.bootstep"))
-    fence = Field(NUMBER, "the fencing token of the run: larger than every earlier fence of the key",
+    fence = Field(NUMBER, "the run's fencing token, larger than every earlier one of the key",
                   writers=_RECORD_WRITERS,
                   readers=("PROGRESS", "NOTE_DUPLICATE", "ops.keystatus", "worker.bootstep"))
-    since = Field(MS, "when the run took the slot (server ms)", writers=_RECORD_WRITERS,
+    since = Field(MS, "when the run took the slot", writers=_RECORD_WRITERS,
                   readers=("ops.keystatus",))
-    deadline = Field(MS, "when the lease runs out unless renewed (server ms); absent once released",
+    deadline = Field(MS, "when the lease runs out unless renewed; absent once released",
                      writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE"),
                      readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "protocol.reads"))
-    state = Field(TEXT, "running, the last progress state, handing-off, or the outcome once ended",
+    state = Field(TEXT, "running, the last progress state, handing-off, or the outcome",
                   writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
                   readers=("ops.keystatus",))
-    outcome = Field(TEXT, "how the run ended: succeeded, failed, retried, revoked, lost, or what a feature"
-                    " records (RELEASE asks the feature's helpers)",
+    outcome = Field(TEXT, "how the run ended: succeeded, failed, revoked, lost, ... (RELEASE asks the"
+                    " features' helpers)",
                     writers=("RELEASE", "REVISE_OUTCOME", "FORCE_RELEASE"),
                     readers=("ACQUIRE", "RESUME", "ops.keystatus"))
-    ended = Field(MS, "when the run ended (server ms)", writers=("RELEASE", "FORCE_RELEASE"),
+    ended = Field(MS, "when the run ended", writers=("RELEASE", "FORCE_RELEASE"),
                   readers=("ops.keystatus",))
-    updated = Field(MS, "when the record last changed for its readers (progress, end)",
+    updated = Field(MS, "the last progress update or the end",
                     writers=("RELEASE", "PROGRESS", "FORCE_RELEASE"), readers=("ops.keystatus",))
     task_id = Field(TEXT, "the holder's task id (a hold's holder id)", writers=_RECORD_WRITERS,
                     readers=("REVISE_OUTCOME", "PARK", "JOIN", "ENQUEUE_MARK", "COALESCE", "ops.keystatus",
                              "policies.newest", "worker.bootstep", "worker.sweeper"))
-    task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); sent by ACQUIRE's caller with"
-                      " the other holder fields (``Holder.fields``)", writers=("ACQUIRE",),
+    task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); the holder fields come from"
+                      " ``Holder.fields``", writers=("ACQUIRE",),
                       readers=("ops.keystatus", "policies.newest"))
-    worker = Field(TEXT, "the holder's worker (its hostname as Celery names it)", writers=("ACQUIRE",),
+    worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
                    readers=("ops.keystatus",))
     host = Field(TEXT, "the holder's host", writers=("ACQUIRE",),
                  readers=("ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),
                 readers=("ops.keystatus", "worker.bootstep"))
-    rt = Field(TEXT, "the token of the release that ended the last run: a replay of that release finds it"
-               " and answers as it did (JOIN looks there for a run it joined)", writers=_RECORD_WRITERS,
+    rt = Field(TEXT, "the token of the release that ended the last run: its replay (or JOIN, for a run it"
+               " joined) finds it and answers as before", writers=_RECORD_WRITERS,
                readers=("JOIN", "worker.bootstep", "worker.sweeper"))
-    lost = Field(TEXT, "the fences of the last runs whose lease ran out unreleased (comma-separated): a"
-                 " late release learns it lost the key", writers=_RECORD_WRITERS, readers=())
+    lost = Field(TEXT, "the fences of recent runs whose lease ran out unreleased: a late release learns"
+                 " it lost the key", writers=_RECORD_WRITERS, readers=())
     prev_task_id = Field(TEXT, "who ran on the slot before this run", writers=_RECORD_WRITERS,
                          readers=("REVISE_OUTCOME", "ops.keystatus", "worker.bootstep", "worker.sweeper"))
-    prev_outcome = Field(TEXT, "how that run ended (running, expired, or its outcome)",
+    prev_outcome = Field(TEXT, "how it ended (running, expired, or its outcome)",
                          writers=("ACQUIRE", "RELEASE", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
                          readers=("ops.keystatus",))
-    history = Field(TEXT, "``1`` once the run wrote to its history stream (only such runs have one)",
+    history = Field(TEXT, "``1`` once the run wrote to its history stream",
                     writers=("PROGRESS",), readers=("RELEASE", "RENEW", "FORCE_RELEASE", "NOTE_DUPLICATE"))
-    progress = Field(JSON, "the last progress update (state, current, total, message, fields)",
+    progress = Field(JSON, "the last progress update",
                      writers=("PROGRESS",), readers=("ops.keystatus",))
-    pseq = Field(NUMBER, "the number of the last progress update written: a re-sent one writes nothing",
+    pseq = Field(NUMBER, "the last progress update's number: a re-sent one writes nothing",
                  writers=("PROGRESS",), readers=())
-    entry = Field(TEXT, "the history entry of the last progress update (a replay's answer)",
+    entry = Field(TEXT, "the last update's history entry (a replay's answer)",
                   writers=("PROGRESS",), readers=())
-    args = Field(JSON, "the run's arguments, only when its task opts in (``status_include_args``)",
+    args = Field(JSON, "the run's arguments, with ``status_include_args``",
                  writers=("PROGRESS",), readers=("ops.keystatus",))
 
 
@@ -103,15 +103,32 @@ class RunRecord(LeaseFields, HandoffFields, DuplicateFields, NewestFields):
     __slots__ = ()
 
 
+#: the groups of scripts the fields table names at once
+_GROUPS = {"*rec*": _RECORD_WRITERS, "*held*": _HELD_READERS}
+
+
+def _names(names: tuple[str, ...]) -> str:
+    """``names`` for the docs, a whole group shown by its name."""
+    shown = list(names)
+    for group, members in _GROUPS.items():
+        if set(members) <= set(shown):
+            shown = [group if name == members[0] else name for name in shown if name not in members[1:]]
+    return ", ".join(name if name in _GROUPS else f"`{name}`" for name in shown)
+
+
 def fields_table() -> str:
-    """The Markdown table of every field of the run record, for the docs."""
-    lines = ["| field | declared in | type | written by | read by | meaning |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """The Markdown of every field of the run record, for the docs: a legend, then the table."""
     owner = {name: klass.__module__.rsplit(".", 1)[-1] for klass in reversed(RunRecord.__mro__)
              for name, value in vars(klass).items() if isinstance(value, Field)}
+    modules: dict[str, list[str]] = {}
     for field in RunRecord.fields():
-        writers = ", ".join(f"`{w}`" for w in field.writers)
-        readers = ", ".join(f"`{r}`" for r in field.readers)
-        lines.append(f"| `{field.name}` | `{owner[field.name]}` | {field.kind.name} | {writers} | {readers}"
-                     f" | {field.meaning} |")
+        if owner[field.name] != "record":
+            modules.setdefault(owner[field.name], []).append(f"`{field.name}`")
+    declared = "; ".join(f"`{module}`: {', '.join(names)}" for module, names in modules.items())
+    legend = "; ".join(f"{group} = {', '.join(members)}" for group, members in _GROUPS.items())
+    lines = [f"Declared in `record`, except in {declared}. {legend}. Times (ms) are the Redis server's.", "",
+             "| field | type | written by → read by | meaning |", "| --- | --- | --- | --- |"]
+    for field in RunRecord.fields():
+        access = _names(field.writers) + (f" → {_names(field.readers)}" if field.readers else "")
+        lines.append(f"| `{field.name}` | {field.kind.name} | {access} | {field.meaning} |")
     return "\n".join(lines)

@@ -27,8 +27,8 @@ __all__ = ["MARK", "config_memory", "hello", "load_scripts", "mark_protocol", "p
 _UNKNOWN_SHA = "0" * 40
 
 MARK = Part("protocol", "string: a protocol version", "none",
-            "the highest protocol version of the workers that started in the namespace: a worker of another"
-            " version warns at its start", index=True)
+            "the highest protocol version of the namespace's workers: another version warns at start",
+            index=True)
 
 
 def ping(client: Any) -> None:

@@ -65,7 +65,7 @@ for _part in (*PARTS, *INDEXES):
         setattr(KeyLayout, _part.name, _part_method(_part))
 
 
-def keys_table(namespace: str = "sf", key: str = "sync:42", idempotency_key: str = 'msg:"acme":7') -> str:
+def keys_table(namespace: str = "sf", key: str = "sync:42", idempotency_key: str = "msg:acme:7") -> str:
     """The Markdown table of every Redis key of the protocol, for the docs."""
     return parts_table((*PARTS, *INDEXES), namespace, key, idempotency_key)
 

@@ -27,18 +27,16 @@ __all__ = [
 ]
 
 RATE_STATE = Part("rate", "string: `<TAT> <interval> <tolerance>` (µs)", "until the TAT",
-                  "`key_rate_limit`: the GCRA state; a run may start once it minus the burst tolerance has"
-                  " passed")
+                  "`key_rate_limit`: the GCRA state")
 PLANNED = Part("planned", "sorted set: task id:retries → planned start (µs)",
                f"{duration(constants.RATE_GRANT_KEEP)} after the last planned start",
-               "`key_rate_limit`: the cells granted, so a re-sent run (or a replayed script) gets its own"
-               " again")
+               "`key_rate_limit`: the cells granted, so a re-sent run or a replay gets its own again")
 BURST = Part("debounce", "hash: leader, first, last, due, count, payload, `c:<task id>`",
              f"until due + {duration(constants.DEBOUNCE_CLOSED_KEEP)}",
-             "`debounce`: the open burst of calls (its key is the debounce key)")
+             "`debounce`: the open burst (keyed by the debounce key)")
 CLOSED_BURST = Part("debounced", "hash: the last closed burst, with `ran`",
                     duration(constants.DEBOUNCE_CLOSED_KEEP),
-                    "`debounce`: who ran the last burst, for replays and late messages of its calls")
+                    "`debounce`: who ran the last burst, for replays and late calls")
 PARTS = (RATE_STATE, PLANNED, BURST, CLOSED_BURST)
 #: the Redis commands the time policies use besides the library's own (an ACL rule must allow
 #: them): a burst is read with HMGET and closed with RENAME (within its key's hash slot), the rate

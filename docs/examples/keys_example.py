@@ -24,6 +24,11 @@ def nightly_cleanup():
 @app.task(base=SingleFlightTask, lock_key=lambda tenant, **options: f"tenant:{tenant.lower()}")
 def reindex(tenant, full=False):
     ...
+
+
+@app.task(base=SingleFlightTask, lock_key="pair:<a>-<b>")  # a separator a value may hold
+def pair(a, b):
+    ...
 # --8<-- [end:templates]
 
 
@@ -39,6 +44,8 @@ def main():
     assert charge.render_key({"id": 7, "amount": 10}) == "invoice:7"
     assert nightly_cleanup.render_key() == f"cleanup:{nightly_cleanup.name}"  # "cleanup:<module>.<name>"
     assert reindex.render_key("ACME") == "tenant:acme"
+    assert pair.render_key("x-y", "z") == 'pair:"x-y"-z'  # a value holding its separator keeps its quotes
+    assert pair.render_key("x", "y-z") == "pair:x-y-z"
     # --8<-- [end:render]
 
     # --8<-- [start:hold]

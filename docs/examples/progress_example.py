@@ -28,7 +28,7 @@ def import_rows(self, tenant, rows=20):
 def main():
     result = import_rows.delay("acme")
     # --8<-- [start:read]
-    key = import_rows.render_key("acme")  # 'import:"acme"'
+    key = import_rows.render_key("acme")  # "import:acme"
     st = wait_until_held(key)  # sf.status(app, key) until a run holds it
     print(st.task_id, st.worker, st.state, st.ttl_left)
 

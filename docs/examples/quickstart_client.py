@@ -31,7 +31,7 @@ def main():
     print(skipped)  # {'singleflight': 'skipped', 'key': 'sync:42', 'holder': '<first id>', 'ttl_left': 29.8}
 
     for event in sf.watch(app, key, timeout=30):  # history first, then live, until the run ends
-        print(event.kind, event.state, event.percent, event.message)
+        print(event.kind, event.state, event.message or "")
 
     done = first.get(timeout=10)
     print(done)  # {'account': 42, 'pages': 5, 'fence': 1767225600123456}
