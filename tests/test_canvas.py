@@ -224,6 +224,7 @@ def test_chain_join_error_calls_a_new_style_errback(sfapp: ModuleType, q: str) -
     assert [json.loads(e) for e in errors] == [{"id": result.parent.id, "error": "ValueError"}]
 
 
+@pytest.mark.core
 def test_chain_join_error_calls_an_old_style_errback(sfapp: ModuleType, q: str) -> None:
     """Given a holder on j:cjold that will fail and chain(joined duplicate, canvas_seen) with an
     old-style errback (one argument: the task id),
@@ -293,6 +294,7 @@ def test_group_skip_exactly_one_member_runs(sfapp: ModuleType, q: str) -> None:
 # -- chord ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.core
 def test_chord_of_joined_duplicates_gets_the_holders_result_four_times(sfapp: ModuleType, q: str) -> None:
     """Given a running holder on j:chj,
     when chord([4 joined duplicates on that key], canvas_collect) is sent,

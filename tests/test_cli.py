@@ -90,6 +90,7 @@ def test_formatting_helpers() -> None:
     assert re.match(r"^19\d\d-\d\d-\d\dT\d\d:\d\d:\d\d\.000[+-]\d\d:\d\d \(in 2\.0s\)$", when(0.0, now=-2.0))
 
 
+@pytest.mark.core
 def test_help_lists_every_command_and_option(redis_server: RedisServer, sfapp: ModuleType) -> None:
     """The plugin is found through the celery.commands entry point, with help texts."""
     top = run_cli(redis_server, "--help")
@@ -137,6 +138,7 @@ def test_ls_lists_a_held_key(
 # -- show ----------------------------------------------------------------------------------
 
 
+@pytest.mark.core
 def test_show_a_running_then_ended_key_and_an_unknown_one(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:

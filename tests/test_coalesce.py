@@ -55,6 +55,7 @@ def test_burst_of_20_during_a_holder_runs_twice_the_second_with_the_last_payload
 
 
 @pytest.mark.worker
+@pytest.mark.core
 def test_keep_first_runs_the_first_duplicate_and_drops_the_rest(
     sfapp: ModuleType, start_worker: object
 ) -> None:

@@ -5,6 +5,7 @@ examples with only the import changed) on a real worker, and what its ``once`` o
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import pickle
@@ -22,6 +23,9 @@ from celery_singleflight import ConfigurationError, KeyTemplateError, LockHeld, 
 from celery_singleflight.compat import AlreadyQueued, QueueOnce
 from celery_singleflight.compat.shared import NotSupported
 from celery_singleflight.testing import RedisServer, WorkerProcess
+
+#: also run against the lowest and highest Celery and redis-py (make test)
+pytestmark = pytest.mark.core
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -50,6 +54,8 @@ def running_app(module_name: str, env_var: str, concurrency: int = 4) -> Iterato
             worker.kill()
             worker.cleanup()
             sys.modules.pop(module_name, None)
+            del module
+            gc.collect()  # results of this app let go while its Redis still answers (Celery 5.3 retries)
             if old is None:
                 os.environ.pop(env_var, None)
             else:

@@ -17,6 +17,9 @@ from celery_singleflight.compat.heimdall import AlreadyQueuedError, HeimdallTask
 from celery_singleflight.compat.shared import NotSupported
 from tests.test_compat import running_app, wait_running
 
+#: also run against the lowest and highest Celery and redis-py (make test)
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture(scope="module")
 def heimdallapp() -> Iterator[ModuleType]:

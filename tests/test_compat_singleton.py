@@ -16,6 +16,9 @@ from celery_singleflight.compat.singleton import DuplicateTaskError, Singleton, 
 from celery_singleflight.testing import RedisServer
 from tests.test_compat import running_app, wait_running
 
+#: also run against the lowest and highest Celery and redis-py (make test)
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture(scope="module")
 def singletonapp() -> Iterator[ModuleType]:

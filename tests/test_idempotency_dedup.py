@@ -99,6 +99,7 @@ def test_a_failed_publish_leaves_no_marker(sfapp: ModuleType, redis_server: Redi
     assert not redis_server.client(2).exists(marker)
 
 
+@pytest.mark.core
 def test_a_duplicate_send_while_running_returns_the_running_task(
     sfapp: ModuleType, start_worker: object
 ) -> None:

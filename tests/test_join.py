@@ -35,6 +35,7 @@ def test_twenty_duplicates_all_return_the_holders_result(
     assert sfapp.recorder.llen("overlaps") == 0
 
 
+@pytest.mark.core
 def test_an_error_in_the_holder_reaches_the_joined_runs(sfapp: ModuleType, start_worker: object) -> None:
     q = start_worker(concurrency=3).queue  # type: ignore[operator]
     holder = sfapp.joined.apply_async(("jerr", "first", 1.0, True), queue=q)

@@ -38,6 +38,7 @@ def store(redis_server: RedisServer) -> LeaseStore:
     return _store(redis_server)
 
 
+@pytest.mark.core
 def test_acquire_then_duplicate_learns_holder_and_time_left(store: LeaseStore) -> None:
     """Given a held key, a second acquire is told who holds it and for how long."""
     first = store.acquire("sync:1", _token(), 10, Holder("task-a"))
@@ -49,6 +50,7 @@ def test_acquire_then_duplicate_learns_holder_and_time_left(store: LeaseStore) -
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["bytes", "decode_responses"])
+@pytest.mark.core
 def test_short_replies_and_their_replays_read_alike(redis_server: RedisServer, decode: bool) -> None:
     """An uncontended acquire answers one string and a release that hands nothing on a bare 1 (the
     cheapest replies to read); a second run of the same call (a lost reply re-sent) answers the
@@ -68,6 +70,7 @@ def test_short_replies_and_their_replays_read_alike(redis_server: RedisServer, d
     assert isinstance(other, Acquired) and other.fence > first.fence
 
 
+@pytest.mark.core
 def test_only_the_owner_token_can_release_or_renew(store: LeaseStore) -> None:
     """Nobody but the holder can release the lease: not even the same task id with another token."""
     token = _token()
@@ -283,6 +286,7 @@ def _lease(store: LeaseStore, key: str, ttl: float, interval: float) -> Lease:
                  task_name="test", store=store, since=got.since)
 
 
+@pytest.mark.core
 def test_heartbeat_keeps_a_lease_alive_for_three_ttls(store: LeaseStore) -> None:
     beat = Heartbeat(store)
     lease = _lease(store, "hb", 0.6, 0.2)
@@ -329,6 +333,7 @@ def test_heartbeat_reports_a_lease_deleted_behind_its_back(store: LeaseStore) ->
         beat.stop()
 
 
+@pytest.mark.core
 def test_heartbeat_marks_lost_when_redis_stays_unreachable_past_the_ttl() -> None:
     server = RedisServer().start()
     try:
@@ -404,6 +409,7 @@ def test_a_stream_of_short_leases_does_not_wake_the_heartbeat_each_time(store: L
         beat.stop()
 
 
+@pytest.mark.core
 def test_a_call_stopped_before_its_reply_leaves_the_next_call_in_step(redis_server: RedisServer) -> None:
     """Each thread keeps one connection for its lease scripts. A call stopped between sending and
     reading (a soft time limit, a signal) must not leave its reply to be read as the next call's:
@@ -434,6 +440,7 @@ def test_a_call_stopped_before_its_reply_leaves_the_next_call_in_step(redis_serv
         assert store.record("next")["state"] == "succeeded"
 
 
+@pytest.mark.core
 def test_a_thread_gives_its_kept_connection_back_when_it_ends(redis_server: RedisServer) -> None:
     """Threads that run lease scripts keep a connection each and give it back when they end: a
     hundred short-lived threads do not leave a hundred connections open."""

@@ -24,6 +24,7 @@ def start_holder(sfapp: ModuleType, key: str, seconds: float, queue: str | None 
     return holder
 
 
+@pytest.mark.core
 def test_raise_fails_with_key_holder_and_time_left(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     holder = start_holder(sfapp, "r", 1.5)
     dup = sfapp.hold_raise.delay("r")
@@ -36,6 +37,7 @@ def test_raise_fails_with_key_holder_and_time_left(sfapp: ModuleType, shared_wor
     holder.get(timeout=15)
 
 
+@pytest.mark.core
 def test_skip_ends_successfully_and_says_why(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     holder = start_holder(sfapp, "s", 1.5)
     dup = sfapp.hold_skip.delay("s")
@@ -50,6 +52,7 @@ def test_skip_ends_successfully_and_says_why(sfapp: ModuleType, shared_worker: W
     holder.get(timeout=15)
 
 
+@pytest.mark.core
 def test_retry_runs_after_the_holder_without_spending_max_retries(
     sfapp: ModuleType, shared_worker: WorkerProcess
 ) -> None:
@@ -75,6 +78,7 @@ def test_retry_waits_as_its_backoff_options_say(sfapp: ModuleType, shared_worker
     assert sfapp.recorder.lrange("runs:tuned", 0, -1) == [holder.id.encode(), dup.id.encode()]
 
 
+@pytest.mark.core
 def test_retry_gives_up_after_max_wait_as_raise_would(
     sfapp: ModuleType, shared_worker: WorkerProcess
 ) -> None:

@@ -37,6 +37,7 @@ def test_watch_by_key_from_another_process(sfapp: ModuleType, shared_worker: Wor
     assert final.task_id == result.id and final.current == 5
 
 
+@pytest.mark.core
 def test_status_record_while_running(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     result = sfapp.reporting.delay("st", 4, 0.4)
     key = sfapp.reporting.render_key("st")
@@ -67,6 +68,7 @@ def test_a_watcher_that_starts_late_replays_the_history(
     result.get(timeout=5)
 
 
+@pytest.mark.core
 def test_terminal_outcome_of_a_failed_run(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     with pytest.raises(RuntimeError):
         sfapp.fails_after_progress.delay("f").get(timeout=15)
@@ -74,6 +76,7 @@ def test_terminal_outcome_of_a_failed_run(sfapp: ModuleType, shared_worker: Work
     assert st is not None and not st.held and st.outcome == "failed" and st.current == 1
 
 
+@pytest.mark.core
 def test_terminal_outcome_of_a_revoked_run(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     result = sfapp.reporting.delay("rv", 50, 0.2)
     key = sfapp.reporting.render_key("rv")

@@ -104,6 +104,7 @@ def test_bounded_queue_overflow_fails_with_queue_full(sfapp: ModuleType, start_w
     assert [r.get(timeout=30) for r in waiting] == [1, 2]
 
 
+@pytest.mark.core
 def test_a_parked_run_shows_as_queued_to_its_caller(sfapp: ModuleType, start_worker: object) -> None:
     q = start_worker(concurrency=2).queue  # type: ignore[operator]
     sfapp.queued.apply_async(("state", 0, 1.0), queue=q)

@@ -73,6 +73,7 @@ def test_a_checking_holder_stops_at_its_next_check_and_the_newcomer_runs_after_i
 
 
 @pytest.mark.worker
+@pytest.mark.core
 def test_a_holder_that_never_checks_is_revoked_after_the_grace(
     sfapp: ModuleType, start_worker: object
 ) -> None:

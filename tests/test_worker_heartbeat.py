@@ -15,6 +15,7 @@ from .conftest import wait_for
 pytestmark = pytest.mark.worker
 
 
+@pytest.mark.core
 def test_task_running_three_ttls_keeps_its_lease(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
@@ -30,6 +31,7 @@ def test_task_running_three_ttls_keeps_its_lease(
     assert result.get(timeout=5)["lost"] is False
 
 
+@pytest.mark.core
 def test_lease_deleted_behind_its_back_is_reported_lost(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
@@ -44,6 +46,7 @@ def test_lease_deleted_behind_its_back_is_reported_lost(
     wait_for(lambda: "lease lost" in shared_worker.log(), timeout=5)
 
 
+@pytest.mark.core
 def test_fail_closed_does_not_run_unguarded_and_resumes_when_redis_returns(
     sfapp: ModuleType, start_worker: object
 ) -> None:

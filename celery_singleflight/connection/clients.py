@@ -9,6 +9,7 @@ below); every lease script is safe to run twice (see :mod:`..protocol`), so that
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -156,10 +157,19 @@ def kept_connection(client: redis.Redis) -> Any | None:
     if found is not None and found[0] is client:
         return found[1]
     pool = client.connection_pool
-    conn = pool.get_connection()
+    conn = _take_connection(pool)
     table[id(client)] = (client, conn)
     weakref.finalize(threading.current_thread(), _give_back, pool, conn, pid)
     return conn
+
+
+def _take_connection(pool: Any) -> Any:
+    """A connection from ``pool``: redis-py 5.0 to 5.2 require a command name, later versions
+    deprecate passing one."""
+    named = inspect.signature(pool.get_connection).parameters.get("command_name")
+    if named is not None and named.default is inspect.Parameter.empty:
+        return pool.get_connection("EVALSHA")
+    return pool.get_connection()
 
 
 def _green_threads() -> bool:

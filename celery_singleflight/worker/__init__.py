@@ -1,3 +1,3 @@
 """The worker side: the bootstep wired when a guarded task is bound (:mod:`.bootstep`), the start
-checks (:mod:`.preflight`, :mod:`.findings`), the sweeper's thread and its jobs
+checks (:mod:`.pools`, :mod:`.preflight`, :mod:`.findings`), the sweeper's thread and its jobs
 (:mod:`.sweeper`), and finding an app's guarded tasks (:mod:`.registry`)."""

@@ -5,9 +5,10 @@ Nothing here happens on import. A guarded task's binding to its app calls :func:
 which adds :class:`SingleFlightStep` to the app's worker blueprint (so only a worker of that app
 runs it) and connects two receivers once per process; ``base=SingleFlightTask`` stays enough.
 
-- **Start** (the step's ``__init__``, main process, before the pool forks): record whether the
-  worker sends task events (``-E`` is not in ``app.conf``), check the app as a whole (``join``
-  needs a result backend) and run the start checks against each lease Redis (:mod:`.preflight`).
+- **Start** (the step's ``__init__``, main process, before the pool forks): refuse a green pool
+  (gevent, eventlet: :mod:`.pools`), record whether the worker sends task events (``-E`` is not
+  in ``app.conf``), check the app as a whole (``join`` needs a result backend) and run the start
+  checks against each lease Redis (:mod:`.preflight`).
   A refusal stops the worker with one sentence.
 - **Running**: the queue sweeper thread (:mod:`.sweeper`); stopped with the worker.
 - **Ends that run no code in the child** (SIGKILL, hard time limit, ``revoke(terminate=True)``):
@@ -36,6 +37,7 @@ from ..errors import ConfigurationError, LeaseLost
 from ..run.events import send_task_event, set_worker_sends_task_events
 from ..run.lease import process_alive
 from ..run.settle import Ending, answer_orphaned_joined, settle
+from .pools import check_pool
 from .preflight import run_at_worker_start
 from .registry import guarded_tasks, is_guarded
 from .sweeper import Sweeper, sweeps_for
@@ -84,6 +86,7 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
         app = parent.app
         set_worker_sends_task_events(bool(getattr(parent, "task_events", False)))
         try:
+            check_pool(getattr(parent, "pool_cls", None))
             check_worker_app(app)
             run_at_worker_start(app, parent)  # raises only for a refusal (ConfigurationError)
         except ConfigurationError as exc:
