@@ -39,7 +39,7 @@ CUSTOM_STATES = (PROGRESS, QUEUED, JOINED, DEBOUNCED)
 class SingleFlightMeta:
     """The meta of a run in one of :data:`CUSTOM_STATES`."""
 
-    state: str  # PROGRESS, QUEUED or JOINED
+    state: str  # PROGRESS, QUEUED, JOINED or DEBOUNCED
     key: str | None = None
     holder: str | None = None  # QUEUED/JOINED: the run it waits for
     progress_state: str | None = None  # PROGRESS: the state the run reported ("loading", ...)

@@ -49,4 +49,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # run the module as imported, so that its tasks have the names the worker registered
+    import compat_once_example
+
+    compat_once_example.main()

@@ -62,4 +62,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # run the module as imported, so that its tasks have the names the worker registered
+    import idempotency_example
+
+    idempotency_example.main()

@@ -1,4 +1,5 @@
-"""The five duplicate policies side by side: two sends of one key, the second while the first runs.
+"""Five of the seven duplicate policies side by side: two sends of one key, the second while the
+first runs.
 
 ``python policies_example.py`` (beside ``celery -A proj worker -I policies_example``) prints what
 each duplicate ended with.
@@ -82,4 +83,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # run the module as imported, so that its tasks have the names the worker registered
+    import policies_example
+
+    policies_example.main()

@@ -58,4 +58,7 @@ def celery_view(result):
 
 
 if __name__ == "__main__":
-    main()
+    # run the module as imported, so that its tasks have the names the worker registered
+    import progress_example
+
+    progress_example.main()

@@ -26,7 +26,7 @@ option, they refuse (exit 6) and list the held slots rather than pick one. The s
 those the app's tasks can have (their largest ``max_concurrency``), in one round trip.
 
 ``watch`` draws a live progress bar when stdout is a terminal and ``rich`` is installed
-(``pip install celery-singleflight[cli]``), and prints one line per event otherwise; with
+(the package's ``cli`` extra), and prints one line per event otherwise; with
 ``--json`` it prints one JSON object per event (JSON lines), the last one of kind ``end``.
 
 Exit codes:

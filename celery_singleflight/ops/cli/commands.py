@@ -352,8 +352,8 @@ def acl(ctx: click.Context, user: str, password: str) -> None:
     The user may touch only the keys of the app's namespace and run only the commands the library
     sends (docs: Operations). Adds SELECT when the lease database is not 0, the commands of
     redis-py's cluster client for a Cluster, and those of the time policies when a task uses one.
-    Run the line printed on every node (a Cluster) or the master (Sentinel: replicas take ACLs
-    from their own config, not by replication).
+    Run the line printed on every node of a Cluster or, with Sentinel, on the master and every
+    replica (replicas take ACLs from their own config, not by replication).
     """
     with handled(ctx):
         app = app_of(ctx)
