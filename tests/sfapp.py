@@ -120,14 +120,6 @@ def sleeper(self, key, seconds=30.0):
     return "slept"
 
 
-@app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", lock_namespace="billing")
-def billing_sleeper(self, key, seconds=30.0):
-    """``sleeper`` in a namespace of its own (the tests of a task's ``lock_namespace``)."""
-    recorder.set(f"pid:billing:{key}", os.getpid())
-    time.sleep(seconds)
-    return "slept"
-
-
 @app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", lock_ttl=1.5)
 def heartbeat_check(self, key, seconds=4.5):
     """Runs 3x its TTL; reports whether its lease stayed ours the whole time."""

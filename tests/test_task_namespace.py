@@ -4,7 +4,12 @@ namespace: ``hold()``, ``status()``, ``status_all()``, ``held()``, ``watch()``,
 
 from __future__ import annotations
 
+import importlib
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -13,32 +18,59 @@ import celery_singleflight as sf
 from celery_singleflight import LockHeld, hold
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import wait_for
-from .test_cli import run_cli
+from .conftest import TESTS, wait_for, worker_env
 
 pytestmark = pytest.mark.worker
 
 
-def test_every_key_tool_takes_the_tasks_namespace(
-    sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
-) -> None:
-    task = sfapp.billing_sleeper
+@pytest.fixture(scope="module")
+def nsapp(redis_server: RedisServer) -> Iterator[ModuleType]:
+    """tests/nsapp.py with a worker of its own on its own queue."""
+    old = os.environ.get("SF_TEST_REDIS")
+    os.environ["SF_TEST_REDIS"] = redis_server.url
+    sys.modules.pop("nsapp", None)
+    module = importlib.import_module("nsapp")
+    worker = WorkerProcess("nsapp", concurrency=2, cwd=str(TESTS), env=worker_env(redis_server),
+                           extra=("-Q", "nsapp"))
+    try:
+        worker.start(module.app)
+        yield module
+    finally:
+        worker.stop(timeout=15)
+        worker.kill()
+        worker.cleanup()
+        sys.modules.pop("nsapp", None)
+        if old is None:
+            os.environ.pop("SF_TEST_REDIS", None)
+        else:
+            os.environ["SF_TEST_REDIS"] = old
+
+
+def run_cli(redis_server: RedisServer, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "nsapp", "singleflight", *args], cwd=TESTS,
+        env={**os.environ, **worker_env(redis_server)}, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_every_key_tool_takes_the_tasks_namespace(nsapp: ModuleType, redis_server: RedisServer) -> None:
+    task = nsapp.billing_sleeper
     result = task.delay("ns", 30)
     key = task.render_key("ns")
     assert key == "k:ns"
-    wait_for(lambda: sfapp.recorder.get("pid:billing:ns"), timeout=15)
+    wait_for(lambda: nsapp.recorder.get("pid:billing:ns"), timeout=15)
 
     # the app's namespace knows nothing of it: another lock altogether
-    assert sf.status(sfapp.app, key) is None
-    with hold(sfapp.app, key):
+    assert sf.status(nsapp.app, key) is None
+    with hold(nsapp.app, key):
         pass
     # given the task's namespace, each tool sees the running task
-    st = sf.status(sfapp.app, key, namespace="billing")
+    st = sf.status(nsapp.app, key, namespace="billing")
     assert st is not None and st.held and st.task_id == result.id
     assert task.status("ns") is not None and task.status("ns").task_id == result.id  # type: ignore[union-attr]
-    assert [s.task_id for s in sf.status_all(sfapp.app, key, namespace="billing")] == [result.id]
-    assert [s.key for s in sf.held(sfapp.app, "k:", namespace="billing")] == [key]
-    with pytest.raises(LockHeld) as refused, hold(sfapp.app, key, namespace="billing"):
+    assert [s.task_id for s in sf.status_all(nsapp.app, key, namespace="billing")] == [result.id]
+    assert [s.key for s in sf.held(nsapp.app, "k:", namespace="billing")] == [key]
+    with pytest.raises(LockHeld) as refused, hold(nsapp.app, key, namespace="billing"):
         pytest.fail("a hold in the task's namespace must be refused while the task runs")
     assert refused.value.holder == result.id
 
@@ -52,12 +84,12 @@ def test_every_key_tool_takes_the_tasks_namespace(
     clash = run_cli(redis_server, "show", "--namespace", "other", "--task", task.name, "ns")
     assert clash.returncode == 2 and "namespace" in clash.stderr
 
-    events = sf.watch(sfapp.app, key, timeout=20, namespace="billing")
-    assert sf.force_release(sfapp.app, key, by="test", namespace="billing") == result.id
+    events = sf.watch(nsapp.app, key, timeout=20, namespace="billing")
+    assert sf.force_release(nsapp.app, key, by="test", namespace="billing") == result.id
     states = [event.kind for event in events]
     assert states[-1] == "end"
     started = time.monotonic()
-    with hold(sfapp.app, key, namespace="billing", wait=5) as lease:
+    with hold(nsapp.app, key, namespace="billing", wait=5) as lease:
         assert lease.fence > st.fence
     assert time.monotonic() - started < 5
     result.revoke(terminate=True)

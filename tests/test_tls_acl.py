@@ -76,8 +76,8 @@ def test_acl_command_prints_the_documented_rule(redis_server: RedisServer, tls_r
     assert line.startswith("ACL SETUSER u1 reset on >PASSWORD ~sf:{* ~sf:waiting ~sf:superseding "
                            "~sf:ordering ~sf:protocol resetchannels -@all ")
     assert line.endswith(" ".join(f"+{c}" for c in LIBRARY_COMMANDS))
-    documented = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
-    assert line.replace("u1", "singleflight", 1) in documented
+    documented = (Path(__file__).parents[1] / "docs" / "isolation.md").read_text()
+    assert line.replace("u1", "tenant-a", 1).replace("~sf:", "~tenant-a:") in documented
     # another database needs SELECT (redis-py selects it on connecting)
     assert cli_acl(redis_server, f"{redis_server.url}/2", {}).endswith(" +select")
 
