@@ -29,6 +29,8 @@ def nsapp(redis_server: RedisServer) -> Iterator[ModuleType]:
     old = os.environ.get("SF_TEST_REDIS")
     os.environ["SF_TEST_REDIS"] = redis_server.url
     sys.modules.pop("nsapp", None)
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
     module = importlib.import_module("nsapp")
     worker = WorkerProcess("nsapp", concurrency=2, cwd=str(TESTS), env=worker_env(redis_server),
                            extra=("-Q", "nsapp"))
