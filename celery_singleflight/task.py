@@ -11,7 +11,8 @@ Worker side::
 A run is a pipeline of stages (:mod:`.run.pipeline`, the stages in :mod:`.policies`): the lease
 is taken in ``__call__``, before the body runs (a ``task_prerun`` receiver cannot stop a run), and
 released in its ``finally`` (success, failure, Retry, Ignore, Reject, soft time limit).
-``self.retry()`` releases first, so the retry is never its own duplicate. Ends that run no code
+``self.retry()`` releases first, so the retry is never its own duplicate (an enqueue marker
+stays until the retry runs). Ends that run no code
 in the pool child (SIGKILL, hard time limit, revoke with ``terminate=True``) are released by the
 worker's main process (:mod:`.worker.bootstep`). Every option is declared once, with the feature that
 owns it (:mod:`.config`); the configuration page lists them all.
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from celery import Task
+from celery.exceptions import Retry
 
 from .config.names import check_task_options
 from .config.options import Options, resolve_options, task_option_names
@@ -32,6 +34,7 @@ from .keys import KeyFunction, canonical, compile_key
 from .ops.status import KeyStatus, StatusReader, WatchEvent
 from .ops.timestatus import TimeStatus, task_time_status
 from .policies import define_stages, pipeline_for
+from .policies.enqueue import forget_mark, keep_for_retry
 from .protocol.store import LeaseStore
 from .run.guard import options_store
 from .run.lease import Lease
@@ -193,11 +196,25 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         return self.pipeline.run(self, args, kwargs, super().__call__)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Release the lease before the retry is published, so it is not its own duplicate."""
+        """Release the lease before the retry is published, so it is not its own duplicate. With
+        enqueue-time dedup the key's marker stays (the retry keeps the task id), so a send during
+        the countdown returns this task; if no retry is sent (``max_retries`` reached), it goes."""
         guard = getattr(self.request, REQUEST_ATTR, None)
+        keep = guard is not None and guard.clear_marker
         if guard is not None:
+            guard.clear_marker = False
             guard.end("retried", answer_joined=False)
-        return super().retry(*args, **kwargs)
+            if keep:
+                keep_for_retry(guard.store, guard.key, guard.holder.task_id, self.options.dedup_ttl,
+                               self.options.max_concurrency)
+        try:
+            return super().retry(*args, **kwargs)
+        except Retry:
+            raise
+        except BaseException:
+            if keep and guard is not None:
+                forget_mark(guard.store, guard.key, guard.holder.task_id)
+            raise
 
     def progress(
         self, state: str, current: float | None = None, total: float | None = None,

@@ -110,3 +110,48 @@ def test_a_duplicate_send_while_running_returns_the_running_task(
     assert second.id == first.id
     assert first.get(timeout=15) == first.id
     assert sfapp.recorder.llen("runs:run") == 1
+
+
+def _marked(task: object, *args: object) -> str | None:
+    """The task id the enqueue marker of this call's key holds, if any."""
+    holder, _ = task.store.marks.enqueued(task.render_key(*args))  # type: ignore[attr-defined]
+    return holder
+
+
+@pytest.mark.core
+def test_a_run_that_expires_or_is_revoked_while_queued_frees_its_marker(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given a deduplicated task that expires in the queue, and one revoked there, neither runs,
+    and the next send of each key goes out (their markers do not wait for ``dedup_ttl``)."""
+    q = start_worker(concurrency=1).queue  # type: ignore[operator]
+    expiring = sfapp.deduped.apply_async(("expires", 0.01), countdown=3, expires=1, queue=q)
+    revoked = sfapp.deduped.apply_async(("revoked", 0.01), countdown=2, queue=q)
+    revoked.revoke()
+
+    wait_for(lambda: _marked(sfapp.deduped, "expires") is None and _marked(sfapp.deduped, "revoked") is None,
+             timeout=15)
+    later = sfapp.deduped.apply_async(("expires", 0.01), queue=q)
+    later_revoked = sfapp.deduped.apply_async(("revoked", 0.01), queue=q)
+
+    assert later.id != expiring.id and later.get(timeout=15) == later.id
+    assert later_revoked.id != revoked.id and later_revoked.get(timeout=15) == later_revoked.id
+    assert expiring.state == revoked.state == "REVOKED"
+
+
+@pytest.mark.core
+def test_a_run_waiting_to_retry_keeps_its_marker(sfapp: ModuleType, start_worker: object) -> None:
+    """Given a deduplicated run that called ``self.retry(countdown=2)``, a send during the
+    countdown returns it instead of sending a second run; once its retry ran, the key is free."""
+    q = start_worker(concurrency=2).queue  # type: ignore[operator]
+    first = sfapp.mx_holder.apply_async(("dedup-retry", "retry", 0.1), queue=q)
+    wait_for(lambda: first.state == "RETRY", timeout=15)
+
+    during = sfapp.mx_holder.apply_async(("dedup-retry", "retry", 0.1), queue=q)
+
+    assert during.id == first.id
+    assert first.get(timeout=15) == {"ran": first.id, "mode": "retry"}
+    assert sfapp.recorder.lrange("runs:dedup-retry", 0, -1) == [f"holder:{first.id}".encode()] * 2
+    wait_for(lambda: _marked(sfapp.mx_holder, "dedup-retry") is None, timeout=5)
+    after = sfapp.mx_holder.apply_async(("dedup-retry", "succeed", 0.01), queue=q)
+    assert after.id != first.id and after.get(timeout=15)["ran"] == after.id

@@ -23,7 +23,7 @@ from ..config.option import Option, OptionGroup, flag, seconds
 from ..protocol.store import LeaseStore
 from ..run.stage import Send, Stage
 
-__all__ = ["EnqueueDedup", "EnqueueOptions", "send_once"]
+__all__ = ["EnqueueDedup", "EnqueueOptions", "forget_mark", "keep_for_retry", "send_once"]
 
 log = logging.getLogger("celery_singleflight.duplicate")
 
@@ -51,17 +51,26 @@ class EnqueueOptions(OptionGroup):
 
 
 def send_once(
-    task: Any, store: LeaseStore, key: str, ttl: float, slots: int, send: Callable[[str | None], Any]
+    task: Any, store: LeaseStore, key: str, ttl: float, slots: int, send: Callable[[str | None], Any],
+    task_id: str | None = None,
 ) -> Any:
     """Send through ``send(task_id)`` unless ``key`` is already queued or running; then return
-    that task's ``AsyncResult`` (nothing is sent). Never blocks on the key."""
-    new_id = str(uuid.uuid4())
+    that task's ``AsyncResult`` (nothing is sent). Never blocks on the key.
+
+    ``task_id``: the caller's own id (``apply_async(task_id=...)``, a canvas send), marked instead
+    of a new one. A key already marked with that very id is a send of that task already made: it
+    is not sent again."""
+    new_id = task_id or str(uuid.uuid4())
     try:
+        if task_id is not None and store.marks.enqueued(key)[0] == task_id:
+            log.info("%s[%s] for key=%r is already queued or running: not sent again", task.name, task_id,
+                     key)
+            return task.AsyncResult(task_id)
         existing = store.marks.mark_enqueued(key, new_id, ttl, slots)
     except redis.RedisError as exc:
         log.warning("enqueue dedup unavailable for key=%r (sending anyway; the lease still guards the run):"
                     " %s", key, exc)
-        return send(None)
+        return send(task_id)
     if existing is not None:
         log.info("%s for key=%r is already queued or running as %s: not sent again", task.name, key, existing)
         return task.AsyncResult(existing)
@@ -71,6 +80,20 @@ def send_once(
         with contextlib.suppress(redis.RedisError):
             store.marks.clear_enqueued(key, new_id)  # the publish failed: leave no marker behind
         raise
+
+
+def keep_for_retry(store: LeaseStore, key: str, task_id: str, ttl: float, slots: int) -> None:
+    """A run of ``task_id`` that ended to retry keeps ``key``'s marker, renewed for ``ttl``: its
+    retry is queued under the same task id, so a send during the countdown returns it. Best
+    effort: without Redis, the lease still guards the retry when it runs."""
+    with contextlib.suppress(redis.RedisError):
+        store.marks.mark_enqueued(key, task_id, ttl, slots)
+
+
+def forget_mark(store: LeaseStore, key: str, task_id: str) -> None:
+    """Clear ``key``'s marker if it is ``task_id``'s (a retry that was not sent). Best effort."""
+    with contextlib.suppress(redis.RedisError):
+        store.marks.clear_enqueued(key, task_id)
 
 
 class EnqueueDedup(Stage):

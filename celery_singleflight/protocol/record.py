@@ -58,7 +58,7 @@ class LeaseFields(RecordBase):
     outcome = Field(TEXT, "how the run ended: succeeded, failed, revoked, lost, ... (RELEASE asks the"
                     " features' helpers)",
                     writers=("RELEASE", "REVISE_OUTCOME", "FORCE_RELEASE"),
-                    readers=("ACQUIRE", "RESUME", "ops.keystatus"))
+                    readers=("ACQUIRE", "RESUME", "ENQUEUE_MARK", "ops.keystatus"))
     ended = Field(MS, "when the run ended", writers=("RELEASE", "FORCE_RELEASE"),
                   readers=("ops.keystatus",))
     updated = Field(MS, "the last progress update or the end",

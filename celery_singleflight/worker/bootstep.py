@@ -16,6 +16,8 @@ runs it) and connects two receivers once per process; ``base=SingleFlightTask`` 
   ``task_revoked(terminated=True)`` with the task's arguments, renders the key and releases it,
   checking the lease is that child's (task id, this host, a process that is gone), then settles
   what the release hands back like every other release.
+- **Revoked or expired before it ran** (``task_revoked``, terminated or not): the enqueue marker
+  of a task with enqueue-time dedup is cleared if it is still that task's, so later sends go out.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from celery import signals as celery_signals
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeLimitExceeded
 
-from ..errors import ConfigurationError, LeaseLost
+from ..errors import ConfigurationError, LeaseLost, SingleFlightError
 from ..run.events import send_task_event, set_worker_sends_task_events
 from ..run.lease import process_alive
 from ..run.settle import Ending, answer_orphaned_joined, settle
@@ -42,7 +44,7 @@ from .preflight import run_at_worker_start
 from .registry import guarded_tasks, is_guarded
 from .sweeper import Sweeper, sweeps_for
 
-__all__ = ["SingleFlightStep", "check_worker_app", "install", "release_for_ended_child"]
+__all__ = ["SingleFlightStep", "check_worker_app", "forget_enqueued", "install", "release_for_ended_child"]
 
 log = logging.getLogger("celery_singleflight.release")
 
@@ -178,13 +180,37 @@ def _on_task_failure(
 def _on_task_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None, **_: Any
 ) -> None:
-    if terminated and request is not None:
+    if request is None:
+        return
+    if terminated:
         release_for_ended_child(
             sender, getattr(request, "id", ""), getattr(request, "args", None),
             getattr(request, "kwargs", None), "revoked", doomed=True,
         )
         if is_guarded(sender):
             _announce_revoked_state(sender, request, signum)
+    forget_enqueued(sender, request)
+
+
+def forget_enqueued(task: Any, request: Any) -> bool:
+    """Clear the enqueue marker of a run that was revoked or expired (``request``), if the
+    marker is still that task's, so the next send of its key goes out. Such a run may never reach
+    the task's code, so nothing else clears it. Owner-checked, so it is safe to run twice and
+    never clears another task's marker. True if it cleared one."""
+    task_id = getattr(request, "id", None)
+    if not is_guarded(task) or not task_id or not task.pipeline.clears_marker:
+        return False
+    try:
+        args, kwargs = getattr(request, "args", None) or (), getattr(request, "kwargs", None) or {}
+        key = task.render_key(*args, **kwargs)
+        cleared = bool(task.store.marks.clear_enqueued(key, task_id))
+    except (redis.RedisError, SingleFlightError, TypeError, ValueError, KeyError) as exc:
+        log.warning("could not clear the enqueue marker of revoked %s[%s]: %s", task.name, task_id, exc)
+        return False
+    if cleared:
+        log.info("cleared the enqueue marker of key=%r: %s[%s] was revoked or expired before it ran",
+                 key, task.name, task_id)
+    return cleared
 
 
 def _announce_revoked_state(task: Any, request: Any, signum: Any) -> None:
