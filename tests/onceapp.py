@@ -70,3 +70,8 @@ def notify(*user_ids):
 def sync(pk, **options):
     sleep(1)
     return [pk, options]
+
+
+@celery.task(bind=True, base=QueueOnce, once={"keys": ["n"]}, max_retries=1)
+def always_retry(self, n):
+    raise self.retry(countdown=1.5)

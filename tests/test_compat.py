@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import MaxRetriesExceededError
 
 from celery_singleflight import ConfigurationError, KeyTemplateError, LockHeld, SingleFlightError, is_skipped
 from celery_singleflight.compat import AlreadyQueued, QueueOnce
@@ -232,6 +233,83 @@ def test_already_queued_is_a_lock_held_with_celery_once_fields_that_pickles() ->
     assert AlreadyQueued("k:3").countdown == 0.0
 
 
+def test_already_queued_takes_celery_once_constructor() -> None:
+    """celery-once's ``AlreadyQueued(countdown)``, as users' tests and mocks build it."""
+    exc = AlreadyQueued(60)
+
+    again = pickle.loads(pickle.dumps(exc))
+
+    assert exc.countdown == again.countdown == 60 and again.key == ""
+    assert exc.message == again.message == "Expires in 60 seconds"
+    assert AlreadyQueued(2.5).countdown == 2.5
+
+
+def test_the_module_example_does_what_it_says() -> None:
+    """The example's ``except AlreadyQueued`` branch must not re-send the same call: that send
+    finds the same key queued and raises again."""
+    from celery_singleflight.compat import once
+
+    assert "countdown=exc.countdown" not in (once.__doc__ or "")
+    assert "AsyncResult(exc.holder)" in (once.__doc__ or "")
+
+
+def test_celery_once_ssl_url_becomes_rediss(app: Celery) -> None:
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis",
+                     "settings": {"url": "redis://127.0.0.1:1/1?ssl=true&socket_timeout=2"}}
+
+    @app.task(base=QueueOnce)
+    def over_tls(x):
+        return x
+
+    assert over_tls.options.redis_url == "rediss://127.0.0.1:1/1?socket_timeout=2"
+
+    other = Celery("once_ssl_refused", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    other.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": "redis://h:1/1?ssl=no"}}
+
+    @other.task(base=QueueOnce, name="ssl_refused")
+    def refused(x):
+        return x
+
+    with pytest.raises(ConfigurationError, match="rediss://"):
+        other.finalize(auto=True)
+
+
+def test_once_default_timeout_setting_is_read(app: Celery) -> None:
+    """The README's ``ONCE_DEFAULT_TIMEOUT``: the marker's lifetime of tasks without ``timeout``."""
+    app.conf.ONCE_DEFAULT_TIMEOUT = 90
+
+    @app.task(base=QueueOnce)
+    def by_setting(x):
+        return x
+
+    @app.task(base=QueueOnce, once={"timeout": 30})
+    def by_task(x):
+        return x
+
+    assert (by_setting.options.dedup_ttl, by_task.options.dedup_ttl) == (90.0, 30.0)
+    assert by_setting.default_timeout == 90.0
+
+
+def test_per_call_keys_are_refused(app: Celery) -> None:
+    @app.task(base=QueueOnce, once={"keys": ["a"]})
+    def per_call(a, b):
+        return a
+
+    with pytest.raises(ConfigurationError, match="once=\\{'keys'"):
+        per_call.apply_async((1, 2), once={"keys": ["b"]})
+
+
+def test_old_queue_once_names_answer(app: Celery) -> None:
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": "redis://127.0.0.1:1/5"}}
+
+    @app.task(base=QueueOnce)
+    def named(x):
+        return x
+
+    assert named.config is app.conf and named.once_config == app.conf.ONCE
+    assert named.default_timeout == 3600.0 and named.unlock_before_run() is False
+
+
 def test_once_backend_refuses_what_it_does_not_offer(app: Celery) -> None:
     @app.task(base=QueueOnce)
     def backend_plain(x):
@@ -286,6 +364,29 @@ def test_clear_lock_frees_a_queued_key(lone_redis: RedisServer) -> None:
     assert clear_add.once_backend.clear_lock(clear_add.get_key([1, 2])) is True
     assert clear_add.delay(1, 3).id  # sent
     assert clear_add.once_backend.clear_lock(clear_add.get_key([7, 0])) is False
+
+
+def test_a_send_with_its_own_task_id_is_checked_too(lone_redis: RedisServer) -> None:
+    """celery-once skips the check only for retries: ``apply_async(task_id=...)`` and canvas sends
+    (which carry their ids) are checked, under the caller's id."""
+    app = Celery("own_id", broker=f"{lone_redis.url}/0", set_as_current=False)
+
+    @app.task(base=QueueOnce, once={"keys": ["a"]})
+    def own_id(a, b):
+        return a + b
+
+    first = own_id.apply_async((1, 1), task_id="first-id")
+    with pytest.raises(AlreadyQueued) as by_id:
+        own_id.apply_async((1, 2), task_id="second-id")
+    with pytest.raises(AlreadyQueued):
+        own_id.s(1, 3).set(task_id="third-id").apply_async()  # as a chain or group sends it
+    with pytest.raises(AlreadyQueued):
+        own_id.apply_async((1, 1), task_id="first-id")  # the same send again: not sent twice
+    retried = own_id.apply_async((1, 4), task_id="first-id", retries=1)  # a retry is not checked
+
+    assert first.id == "first-id" and by_id.value.holder == "first-id" and retried.id == "first-id"
+    assert own_id.store.marks.enqueued(own_id.render_key(1, 1))[0] == "first-id"
+    assert lone_redis.client(0).llen("celery") == 2  # the first send and the retry
 
 
 # -- on a real worker ---------------------------------------------------------------------------------
@@ -379,3 +480,40 @@ def test_self_retry_is_not_its_own_duplicate(onceapp: ModuleType) -> None:
 def test_long_timeout_task_runs(onceapp: ModuleType) -> None:
     assert onceapp.long_running_task.delay().get(timeout=20) == "long done"
     assert onceapp.long_running_task.options.dedup_ttl == 36000.0
+
+
+@pytest.mark.worker
+def test_a_run_revoked_or_expired_in_the_queue_frees_its_key(onceapp: ModuleType) -> None:
+    expired = onceapp.slow_add.apply_async((7, 0), countdown=3, expires=1)
+    revoked = onceapp.slow_add.apply_async((8, 0), countdown=2)
+    revoked.revoke()
+
+    def both_free() -> bool:
+        return all(onceapp.slow_add.store.marks.enqueued(onceapp.slow_add.render_key(a, 0))[0] is None
+                   for a in (7, 8))
+
+    deadline = time.monotonic() + 15
+    while not both_free() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    later, later_revoked = onceapp.slow_add.delay(7, 1), onceapp.slow_add.delay(8, 1)  # sent, not refused
+
+    assert later.id != expired.id and later_revoked.id != revoked.id
+    assert later.get(timeout=20) == 8 and later_revoked.get(timeout=20) == 9
+
+
+@pytest.mark.worker
+def test_a_run_waiting_to_retry_keeps_its_key_until_its_last_retry_fails(onceapp: ModuleType) -> None:
+    first = onceapp.always_retry.delay(1)
+    deadline = time.monotonic() + 10
+    while first.state != "RETRY" and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    with pytest.raises(AlreadyQueued) as during:
+        onceapp.always_retry.delay(1)  # its retry is queued: one queued or running, not two
+    with pytest.raises(MaxRetriesExceededError):
+        first.get(timeout=20)
+    time.sleep(0.2)
+    after = onceapp.always_retry.delay(1)  # the final retry failed: the key is free
+
+    after.revoke()
+    assert during.value.holder == first.id and after.id != first.id

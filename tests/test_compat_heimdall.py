@@ -89,6 +89,49 @@ def test_options_without_an_equivalent_are_refused(heimdall: dict[str, Any], mat
         type("Refused", (HeimdallTask,), {"heimdall": heimdall, "run": staticmethod(lambda x: x)})
 
 
+@pytest.mark.parametrize("heimdall", [
+    {"unique": True, "unique_wait_for_expiry": False},
+    {"unique": True, "unique_lock_blocking": False},
+    {"unique": True, "unique_lock_blocking": False, "unique_lock_timeout": 5},
+    {"unique": True, "lock_prefix": "h-lock:", "rate_limit_prefix": "h-rate:"},
+    {"rate_limit": RateLimit([2, 60])},
+])
+def test_values_that_match_what_the_shim_does_are_accepted(heimdall: dict[str, Any]) -> None:
+    task = type("Accepted", (HeimdallTask,), {"heimdall": heimdall, "run": staticmethod(lambda x: x)})
+    assert task._sf_render is not None
+
+
+def test_unique_false_is_refused_not_read_as_false() -> None:
+    """celery-heimdall tested ``"unique" in heimdall``: ``False`` made the task unique there."""
+    with pytest.raises(ConfigurationError, match="whatever its value"):
+        type("NotUnique", (HeimdallTask,), {"heimdall": {"unique": False, "times": 1, "per": 1},
+                                            "run": staticmethod(lambda x: x)})
+
+
+def test_settings_at_the_shim_behaviour_are_accepted_and_others_refused() -> None:
+    accepting = Celery("heimdall_defaults", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    accepting.conf.update(heimdall_lock_prefix="h-lock:", heimdall_rate_limit_prefix="h-rate:",
+                          heimdall_unique_lock_blocking=False, heimdall_unique_wait_for_expiry=False,
+                          heimdall_unique_lock_timeout=1)
+
+    @accepting.task(base=HeimdallTask, heimdall={"unique": True}, name="defaults_ok")
+    def accepted(x):
+        return x
+
+    accepting.finalize(auto=True)
+    assert accepted.options.dedup_enqueue is True
+
+    refusing = Celery("heimdall_blocking", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    refusing.conf.heimdall_unique_lock_timeout = 3  # the default blocking=True waited this long
+
+    @refusing.task(base=HeimdallTask, heimdall={"unique": True}, name="waits")
+    def waits(x):
+        return x
+
+    with pytest.raises(ConfigurationError, match="heimdall_unique_lock_timeout"):
+        refusing.finalize(auto=True)
+
+
 def test_settings_are_read_or_refused(app: Celery) -> None:
     app.conf.update(heimdall_unique_raises=True, heimdall_unique_timeout=45)
 

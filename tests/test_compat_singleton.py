@@ -9,10 +9,16 @@ from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
-from celery import Celery
+from celery import Celery, group
 
 from celery_singleflight import ConfigurationError, KeyTemplateError, LockHeld, is_skipped
-from celery_singleflight.compat.singleton import DuplicateTaskError, Singleton, clear_locks
+from celery_singleflight.compat.shared import NotSupported
+from celery_singleflight.compat.singleton import (
+    CelerySingletonException,
+    DuplicateTaskError,
+    Singleton,
+    clear_locks,
+)
 from celery_singleflight.testing import RedisServer
 from tests.test_compat import running_app, wait_running
 
@@ -82,6 +88,7 @@ def test_options_and_settings_map_to_the_policy_and_the_marker(app: Celery) -> N
     ("singleton_key_prefix", "LOCK_", "singleflight_namespace"),
     ("singleton_backend_class", "my.Backend", "Redis only"),
     ("singleton_backend_kwargs", {"ssl": True}, "transport_options"),
+    ("singleton_json_encoder_class", "my.Encoder", "lock_key"),
 ])
 def test_settings_without_an_equivalent_are_refused(
     app: Celery, setting: str, value: object, match: str
@@ -94,6 +101,49 @@ def test_settings_without_an_equivalent_are_refused(
 
     with pytest.raises(ConfigurationError, match=match):
         app.finalize(auto=True)
+
+
+@pytest.mark.parametrize("backend", ["celery_singleton.backends.redis.RedisBackend",
+                                     "celery_singleton.backends.RedisBackend",
+                                     "celery_singleton.backend.RedisBackend"])
+def test_the_redis_backend_class_is_accepted_by_any_of_its_names(backend: str) -> None:
+    app = Celery("singleton_backend", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.singleton_backend_class = backend
+
+    @app.task(base=Singleton, name=f"default_backend_{backend}", shared=False)
+    def accepted(x):
+        return x
+
+    app.finalize(auto=True)
+    assert accepted.options.dedup_enqueue is True
+
+
+def test_an_on_duplicate_hook_is_refused_not_shadowed() -> None:
+    with pytest.raises(ConfigurationError, match=r"on_duplicate\(self, existing_task_id\) hook"):
+        class Hooked(Singleton):
+            def on_duplicate(self, existing_task_id):
+                return existing_task_id
+
+            def run(self, x):
+                return x
+
+
+def test_old_lock_methods_say_what_to_use(app: Celery) -> None:
+    @app.task(base=Singleton)
+    def old_names(x):
+        return x
+
+    for name, use in [("release_lock", "clear_locks"), ("unlock", "force_release"),
+                      ("generate_lock", "render_key"), ("get_existing_task_id", "status"),
+                      ("singleton_backend", "force_release"), ("singleton_config", "app.conf")]:
+        with pytest.raises(NotSupported, match=use):
+            getattr(old_names, name)
+    assert not hasattr(old_names, "no_such_name")
+
+
+def test_celery_singleton_exception_is_the_base_of_duplicate_task_error() -> None:
+    with pytest.raises(CelerySingletonException):
+        raise DuplicateTaskError("Attempted to queue a duplicate of task ID abc", task_id="abc")
 
 
 def test_duplicate_task_error_carries_the_task_id_and_pickles() -> None:
@@ -118,6 +168,26 @@ def test_clear_locks_forgets_queued_markers(tmp_path: object) -> None:
 
         assert clear_locks(app) == 1
         assert queued_only.delay(1).id != first.id  # the marker is gone: sent again
+
+
+def test_sends_with_their_own_task_id_are_checked_too() -> None:
+    """celery-singleton does ``task_id = task_id or uuid()`` and then locks: a group, a chain
+    and ``apply_async(task_id=...)`` are checked like ``delay()``."""
+    with RedisServer() as server:
+        app = Celery("singleton_own_id", broker=f"{server.url}/0", set_as_current=False)
+
+        @app.task(base=Singleton, shared=False)
+        def own_id(n):
+            return n
+
+        grouped = group(own_id.s(1), own_id.s(1), own_id.s(2)).apply_async()
+        by_id = own_id.apply_async((1,), task_id="mine")
+        chained = (own_id.s(2) | own_id.s()).apply_async()
+
+        first = grouped.results[0].id
+        assert by_id.id == first and chained.parent.id != first
+        assert own_id.store.marks.enqueued(own_id.render_key(2))[0] == grouped.results[2].id
+        assert server.client(0).llen("celery") == 2  # own_id(1) and own_id(2), once each
 
 
 # -- on a real worker ---------------------------------------------------------------------------------

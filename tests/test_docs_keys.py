@@ -36,9 +36,9 @@ _CODE_CLAIM = re.compile(
     r"\b(?P<task>[A-Za-z_]\w*)\.render_key\((?P<args>[^()\n]*(?:\([^()\n]*\)[^()\n]*)*)\)"
     r"\s*#\s*(?:->\s*|→\s*)?(?P<q>[\"'`]?)(?P<key>[^\s\"'`]+)(?P=q)"
 )
-_CALL = r"`(?P<task>[A-Za-z_]\w*)\((?P<args>[^`]*)\)`"
+_CALL = r"`(?P<task>[a-z_]\w*)\((?P<args>[^`]*)\)`"  # a task is a function: lower case
 _PROSE_CLAIM = re.compile(
-    rf"(?P<calls>{_CALL}(?:(?:,\s*|\s+(?:and|or)\s+)`[A-Za-z_]\w*\([^`]*\)`)*)"
+    rf"(?P<calls>{_CALL}(?:(?:,\s*|\s+(?:and|or)\s+)`[a-z_]\w*\([^`]*\)`)*)"
     r"\s+(?:both\s+|all\s+|each\s+)?(?:holds?|renders?|is|gives?)\s+(?:the\s+key\s+)?`(?P<key>[^`\s]+)`"
 )
 _ONE_CALL = re.compile(r"`(?P<task>[A-Za-z_]\w*)\((?P<args>[^`]*)\)`")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,15 +37,32 @@ __all__ = ["AlreadyQueuedError", "HeimdallTask", "RateLimit", "Strategy"]
 _OPTIONS = ("unique", "unique_raises", "unique_timeout", "key", "times", "per", "rate_limit",
             "unique_wait_for_expiry", "unique_lock_blocking", "unique_lock_timeout", "lock_prefix",
             "rate_limit_prefix")
-#: what is refused, and why (in the task's ``heimdall`` or as an app setting ``heimdall_<name>``)
-_REFUSED = {
-    "unique_wait_for_expiry": "a finished run frees its key here; to answer later sends from a"
-                              " finished run, use SingleFlightTask's idempotency_key and idempotency_ttl",
-    "unique_lock_blocking": "sending never waits for a key here",
-    "unique_lock_timeout": "sending never waits for a key here",
-    "lock_prefix": "keys live under singleflight_namespace (default 'sf'); set that instead",
-    "rate_limit_prefix": "keys live under singleflight_namespace (default 'sf'); set that instead",
+_PREFIX_WHY = "keys live under singleflight_namespace (default 'sf'); set that instead"
+_WAIT_WHY = "sending never waits for a key here"
+#: what is refused, and why (in the task's ``heimdall`` or as an app setting ``heimdall_<name>``),
+#: with the one value accepted, because it is what the shim does: celery-heimdall's default
+#: prefixes, ``False`` for the others (``unique_lock_timeout``: see :func:`_refuse`)
+_REFUSED: dict[str, tuple[str, Any]] = {
+    "unique_wait_for_expiry": ("a finished run frees its key here; to answer later sends from a finished"
+                               " run, use SingleFlightTask's idempotency_key and idempotency_ttl", False),
+    "unique_lock_blocking": (_WAIT_WHY, False),
+    "unique_lock_timeout": (_WAIT_WHY, 0),
+    "lock_prefix": (_PREFIX_WHY, "h-lock:"),
+    "rate_limit_prefix": (_PREFIX_WHY, "h-rate:"),
 }
+
+
+def _refuse(values: Mapping[str, Any], blocking: Any, label: Callable[[str], str]) -> None:
+    """Refuse each option of ``values`` set to a value the shim does not behave as.
+    ``unique_lock_timeout`` is accepted too when ``blocking`` (``unique_lock_blocking``) is False:
+    it then meant nothing."""
+    for option, (why, accepted) in _REFUSED.items():
+        value = values.get(option)
+        if value is None or (value == accepted and type(value) is type(accepted)):
+            continue
+        if option == "unique_lock_timeout" and blocking is False:
+            continue
+        raise ConfigurationError(f"{label(option)} = {value!r} is not supported: {why}")
 
 
 class Strategy(enum.Enum):
@@ -56,9 +73,10 @@ class Strategy(enum.Enum):
 
 @dataclass(frozen=True)
 class RateLimit:
-    """``heimdall={"rate_limit": RateLimit((times, per))}``: ``times`` starts per ``per`` seconds."""
+    """``heimdall={"rate_limit": RateLimit((times, per))}``: ``times`` starts per ``per`` seconds
+    (any two-item sequence, as celery-heimdall unpacked it)."""
 
-    rate_limit: tuple[int, float] | Callable[..., Any]
+    rate_limit: Sequence[Any] | Callable[..., Any]
     strategy: Strategy = Strategy.DEFAULT
 
 
@@ -96,7 +114,7 @@ def _rate(name: str, options: Mapping[str, Any]) -> tuple[int, float] | None:
     if "rate_limit" in options:
         limit = options["rate_limit"]
         pair = limit.rate_limit if isinstance(limit, RateLimit) else None
-        if not isinstance(pair, tuple):
+        if not isinstance(pair, Sequence) or isinstance(pair, (str, bytes)) or len(pair) != 2:
             raise ConfigurationError(
                 f"task {name}: heimdall rate_limit must be RateLimit((times, per)); a rate computed per"
                 " call is not supported: give each rate its own task or key_rate_limit"
@@ -123,9 +141,12 @@ def _heimdall_of(name: str, options: Any) -> dict[str, Any]:
         raise ConfigurationError(
             f"task {name}: heimdall= has {', '.join(map(repr, unknown))};"
             f" HeimdallTask knows {', '.join(_OPTIONS)}")
-    for option, why in _REFUSED.items():
-        if option in options:
-            raise ConfigurationError(f"task {name}: heimdall={{{option!r}: ...}} is not supported: {why}")
+    if "unique" in options and not options["unique"]:
+        raise ConfigurationError(
+            f"task {name}: heimdall 'unique' = {options['unique']!r} is refused: celery-heimdall made a task"
+            " unique whenever 'unique' was there, whatever its value; write 'unique': True, or remove it"
+        )
+    _refuse(options, options.get("unique_lock_blocking"), lambda option: f"task {name}: heimdall {option!r}")
     return dict(options)
 
 
@@ -170,10 +191,13 @@ class HeimdallTask(SingleFlightTask):
     def on_bound(cls, app: Any) -> None:
         """Read celery-heimdall's settings (the task's ``heimdall`` options win)."""
         if cls._sf_render is not None:
-            for option, why in _REFUSED.items():
-                if app.conf.get(f"heimdall_{option}") is not None:
-                    raise ConfigurationError(f"setting heimdall_{option} is not supported: {why}")
             options = cls.__dict__.get("heimdall", cls.heimdall)
+            # a task's own value wins over the setting, as in celery-heimdall (its own are checked)
+            settings = {option: app.conf.get(f"heimdall_{option}") for option in _REFUSED
+                        if options.get(option) is None}
+            blocking = options.get("unique_lock_blocking")
+            blocking = app.conf.get("heimdall_unique_lock_blocking") if blocking is None else blocking
+            _refuse(settings, blocking, lambda option: f"setting heimdall_{option}")
             raises = options.get("unique_raises")
             cls._sf_raises = bool(app.conf.get("heimdall_unique_raises") if raises is None else raises)
             timeout = app.conf.get("heimdall_unique_timeout")

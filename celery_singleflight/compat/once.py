@@ -11,21 +11,24 @@
     try:
         sync_account.delay(42)
     except AlreadyQueued as exc:      # a run of account 42 is already queued or running
-        sync_account.apply_async((42,), countdown=exc.countdown + 1)
+        result = sync_account.AsyncResult(exc.holder)    # follow that run instead
 
 What each option and setting maps to is in docs/migrating.md. In short: ``keys`` chooses the
 parameters of the key (absent: every parameter, ``*args`` and ``**kwargs`` included);
 ``graceful`` returns the queued or running task's ``AsyncResult`` instead of raising;
-``timeout`` (or the ``ONCE`` setting's ``default_timeout``) is how long the send's marker may
-outlive a lost message, while the running task holds a heartbeat-renewed lease; the ``ONCE``
-setting's ``url`` is where the leases live unless ``singleflight_redis_url`` says otherwise.
-``unlock_before_run``, a file backend and a blocking send are refused when the task is bound.
+``timeout`` (or the ``ONCE`` setting's ``default_timeout``, else ``ONCE_DEFAULT_TIMEOUT``) is
+how long the send's marker may outlive a lost message, while the running task holds a
+heartbeat-renewed lease; the ``ONCE`` setting's ``url`` is where the leases live unless
+``singleflight_redis_url`` says otherwise (``?ssl=true`` becomes ``rediss://``, as celery-once
+turned TLS on). ``unlock_before_run``, a file backend, a blocking send and ``keys`` per call are
+refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 
@@ -49,17 +52,23 @@ __all__ = ["AlreadyQueued", "OnceBackend", "QueueOnce"]
 _ONCE_OPTIONS = ("keys", "graceful", "timeout", "unlock_before_run")
 _BACKENDS = ("celery_once.backends.Redis", "celery_once.backends.redis.Redis")
 _SETTINGS = ("url", "default_timeout", "blocking", "blocking_timeout")
+#: celery-once's default marker lifetime (its ``default_timeout``)
+_DEFAULT_TIMEOUT = 60 * 60
 
 
 class AlreadyQueued(LockHeld):
     """``delay()`` / ``apply_async()`` of a duplicate, with ``graceful=False``: a task of the same
     key is queued or running as ``holder``. A :class:`~..errors.LockHeld`; ``countdown`` is a
-    number of seconds, always (see :attr:`countdown`)."""
+    number of seconds, always (see :attr:`countdown`). celery-once's own constructor,
+    ``AlreadyQueued(countdown)`` (in tests and mocks), is taken too."""
 
-    def __init__(self, key: str, holder: str | None = None, ttl_left: float | None = None,
+    def __init__(self, key: str | float = "", holder: str | None = None, ttl_left: float | None = None,
                  countdown: float | None = None) -> None:
+        if isinstance(key, (int, float)) and not isinstance(key, bool):  # celery-once's AlreadyQueued(60)
+            countdown = key if countdown is None else countdown
+            key = ""
         SingleFlightError.__init__(self, key, holder, ttl_left, countdown)
-        self.key, self.holder, self.ttl_left = key, holder, ttl_left
+        self.key, self.holder, self.ttl_left = str(key), holder, ttl_left
         #: celery-once's name: seconds until the key could be free at the earliest: the marker's
         #: time left while the holder is queued, its lease's (renewed while it runs) once it runs
         self.countdown: float = countdown if countdown is not None else (ttl_left or 0.0)
@@ -70,6 +79,8 @@ class AlreadyQueued(LockHeld):
         return str(self)
 
     def __str__(self) -> str:
+        if not self.key:  # built as celery-once built it, from a countdown alone
+            return f"Expires in {self.countdown} seconds"
         return (f"key {self.key!r} is already queued or running as task {self.holder or '<unknown>'};"
                 f" expires in {self.countdown:.1f} seconds unless renewed")
 
@@ -119,10 +130,12 @@ def _once_of(name: str, once: Any) -> dict[str, Any]:
 
 
 def _once_setting(app: Any) -> dict[str, Any]:
-    """celery-once's ``ONCE`` setting, checked: its ``settings``, or {} when it is unset."""
+    """celery-once's ``ONCE`` setting, checked: its ``settings``, or {} when it is unset;
+    ``default_timeout`` falls back to ``ONCE_DEFAULT_TIMEOUT`` (the name celery-once's README gives)."""
     conf = app.conf.get("ONCE")
+    fallback = app.conf.get("ONCE_DEFAULT_TIMEOUT")
     if conf is None:
-        return {}
+        return {} if fallback is None else {"default_timeout": fallback}
     backend = conf.get("backend") if isinstance(conf, Mapping) else None
     if backend not in _BACKENDS:
         raise ConfigurationError(
@@ -139,7 +152,28 @@ def _once_setting(app: Any) -> dict[str, Any]:
             "ONCE settings 'blocking': True is not supported: sending never waits for a key here. Drop it;"
             " to wait at run time, use SingleFlightTask with on_duplicate='retry' or 'queue'"
         )
+    if settings.get("default_timeout") is None and fallback is not None:
+        settings["default_timeout"] = fallback
     return settings
+
+
+def _once_url(url: Any) -> Any:
+    """celery-once's Redis URL as redis-py reads it: ``?ssl=true`` (which celery-once handed to
+    redis-py as a keyword) becomes ``rediss://``; another ``ssl`` value is refused."""
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss"):
+        return url
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ssl = [value for name, value in query if name == "ssl"]
+    if not ssl:
+        return url
+    if [value.lower() for value in ssl] != ["true"] * len(ssl):
+        raise ConfigurationError(
+            f"ONCE['settings']['url'] has ssl={ssl[-1]!r}: write rediss:// for TLS (what ssl=true meant),"
+            " or drop the ssl parameter"
+        )
+    rest = urlencode([(name, value) for name, value in query if name != "ssl"])
+    return urlunsplit(("rediss", parts.netloc, parts.path, rest, parts.fragment))
 
 
 class QueueOnce(SingleFlightTask):
@@ -169,10 +203,29 @@ class QueueOnce(SingleFlightTask):
         ``singleflight_redis_url`` is set), ``default_timeout`` for the marker's lifetime."""
         if cls._sf_render is not None:
             settings = _once_setting(app)
-            adopt_redis_url(app, settings.get("url"), "ONCE['settings']['url']")
+            adopt_redis_url(app, _once_url(settings.get("url")), "ONCE['settings']['url']")
             if settings.get("default_timeout") is not None and cls.once.get("timeout") is None:
                 default(cls, "dedup_ttl", settings["default_timeout"])
         super().on_bound(app)
+
+    @property
+    def config(self) -> Any:
+        """celery-once's ``config``: the app's configuration."""
+        return self.app.conf
+
+    @property
+    def once_config(self) -> Any:
+        """celery-once's ``once_config``: the ``ONCE`` setting (None when unset)."""
+        return self.app.conf.get("ONCE")
+
+    @property
+    def default_timeout(self) -> float:
+        """celery-once's ``default_timeout``: the marker lifetime of tasks without ``timeout``."""
+        return float(_once_setting(self.app).get("default_timeout") or _DEFAULT_TIMEOUT)
+
+    def unlock_before_run(self) -> bool:
+        """celery-once's ``unlock_before_run()``: always False (True is refused)."""
+        return False
 
     def get_key(self, args: Any = None, kwargs: Any = None) -> str:
         """celery-once's ``get_key(args, kwargs)``: the key this call holds (``render_key``)."""
@@ -189,7 +242,13 @@ class QueueOnce(SingleFlightTask):
         :class:`AlreadyQueued`, or with ``graceful`` return that task's ``AsyncResult``."""
         if type(self)._sf_render is None:
             return super().apply_async(args, kwargs, task_id, *rest, **options)
-        call = {**type(self).once, **_once_of(self.name, once or {})}
+        per_call = _once_of(self.name, once or {})
+        if "keys" in per_call:
+            raise ConfigurationError(
+                f"task {self.name}: apply_async(once={{'keys': ...}}) is not read (celery-once did not read"
+                " it either): the key comes from the task's own once={'keys': [...]}"
+            )
+        call = {**type(self).once, **per_call}
         ttl = self.options.dedup_ttl if call.get("timeout") is None else seconds()(
             f"task {self.name}: apply_async(once={{'timeout': ...}})", call["timeout"],
             Resolving(self, self.name, {}),

@@ -24,10 +24,13 @@ from ..config.settings import conf_get
 from ..errors import ConfigurationError, KeyTemplateError
 from ..keys import canonical, render_value
 from ..policies.enqueue import send_once
+from ..run.messages import HEADER_ATTEMPT, HEADER_EARLIER, HEADER_FIRST_SEEN, HEADER_HANDOFF, HEADER_REJOIN
 
-__all__ = ["ArgumentsKey", "NotSupported", "adopt_redis_url", "call_signature", "default", "send_checked",
-           "time_left"]
+__all__ = ["ArgumentsKey", "NotSupported", "adopt_redis_url", "call_signature", "default", "is_resend",
+           "send_checked", "time_left"]
 
+#: the headers of this library's own re-sends of a run (see run/messages.py)
+_RESEND_HEADERS = (HEADER_FIRST_SEEN, HEADER_ATTEMPT, HEADER_HANDOFF, HEADER_EARLIER, HEADER_REJOIN)
 #: the attribute a shim notes the options it set itself in (a user's own value always wins)
 _SET_BY_SHIM = "_sf_shim_set"
 
@@ -124,14 +127,24 @@ def time_left(task: Any, key: str) -> float:
     return 0.0
 
 
+def is_resend(options: dict[str, Any]) -> bool:
+    """A send of a message that was sent before: a retry, or this library's re-send of a run
+    (rate limit, ``queue``, Redis outage), which keeps the ``retries`` option (even at 0) and
+    carries the library's headers. Those are not checked again: their first send was."""
+    headers = options.get("headers") or {}
+    return "retries" in options or any(name in headers for name in _RESEND_HEADERS)
+
+
 def send_checked(task: Any, args: Any, kwargs: Any, task_id: str | None, rest: tuple[Any, ...],
                  options: dict[str, Any], ttl: float) -> tuple[Any, bool, str]:
     """Send ``task`` unless its key is already queued or running: ``(result, sent, key)``, where
-    ``result`` is the existing task's ``AsyncResult`` when not sent. Sends with their own
-    ``task_id`` (a retry, a re-sent run) are not checked. Under ``task_always_eager`` the key is
-    marked too and cleared when the inline run returns, as the old libraries locked and unlocked."""
+    ``result`` is the existing task's ``AsyncResult`` when not sent. A send with its own
+    ``task_id`` (``apply_async(task_id=...)``, a chain, group or chord) is checked too, under that
+    id, as the old libraries did; only re-sends (:func:`is_resend`) are not. Under
+    ``task_always_eager`` the key is marked too and cleared when the inline run returns, as the
+    old libraries locked and unlocked."""
     key = task.render_key(*(args or ()), **(kwargs or {}))
-    if task_id is not None or options.get("retries"):
+    if is_resend(options):
         return Task.apply_async(task, args, kwargs, task_id, *rest, **options), True, key
     eager = bool(task.app.conf.task_always_eager)
     sent: list[str | None] = []
@@ -145,5 +158,5 @@ def send_checked(task: Any, args: Any, kwargs: Any, task_id: str | None, rest: t
                 with contextlib.suppress(redis.RedisError):
                     task.store.marks.clear_enqueued(key, new_id)
 
-    result = send_once(task, task.store, key, ttl, task.options.max_concurrency, send)
+    result = send_once(task, task.store, key, ttl, task.options.max_concurrency, send, task_id)
     return result, bool(sent), key

@@ -18,7 +18,8 @@ the task name and the ``unique_on`` parameters (absent or empty: every parameter
 may outlive a lost message; the running task holds a heartbeat-renewed lease. Settings:
 ``singleton_backend_url`` (the leases' Redis unless ``singleflight_redis_url`` is set),
 ``singleton_raise_on_duplicate``, ``singleton_lock_expiry``; ``singleton_key_prefix``, a backend
-class and backend kwargs are refused when the task is bound.
+class other than celery-singleton's Redis one, backend kwargs, a JSON encoder class and an
+``on_duplicate`` hook are refused; its lock methods raise :class:`~.shared.NotSupported`.
 """
 
 from __future__ import annotations
@@ -29,14 +30,33 @@ from ..errors import ConfigurationError, LockHeld, SingleFlightError
 from ..ops.keystatus import glob_escape
 from ..protocol.marks import ENQUEUED
 from ..task import SingleFlightTask
-from .shared import ArgumentsKey, adopt_redis_url, call_signature, default, send_checked
+from .shared import ArgumentsKey, NotSupported, adopt_redis_url, call_signature, default, send_checked
 
-__all__ = ["DuplicateTaskError", "Singleton", "clear_locks"]
+__all__ = ["CelerySingletonException", "DuplicateTaskError", "Singleton", "clear_locks"]
 
-_DEFAULT_BACKEND = "celery_singleton.backends.redis.RedisBackend"
+#: celery-singleton's Redis backend, by each name it could be given
+_DEFAULT_BACKENDS = ("celery_singleton.backends.redis.RedisBackend", "celery_singleton.backends.RedisBackend",
+                     "celery_singleton.backend.RedisBackend")
+#: celery-singleton's names that are not offered, and what to use instead
+_NOT_OFFERED = {
+    "generate_lock": "use task.render_key(*args, **kwargs) for the key of a call",
+    "get_existing_task_id": "use task.status(*args, **kwargs).task_id for the run holding a call's key",
+    "release_lock": "use clear_locks(app) to forget queued markers, or"
+                    " force_release(app, task.render_key(...), by=...) to free a key",
+    "unlock": "use force_release(app, key, by=...) to free a key, or clear_locks(app) for queued markers",
+    "aquire_lock": "the key is marked by delay()/apply_async() and leased when the task runs",
+    "lock_and_run": "the key is marked by delay()/apply_async() and leased when the task runs",
+    "singleton_backend": "leases live in celery_singleflight's Redis store; use task.status(...),"
+                         " force_release(app, key, by=...) or clear_locks(app)",
+    "singleton_config": "settings are read from app.conf when the task is bound (docs/migrating.md)",
+}
 
 
-class DuplicateTaskError(LockHeld):
+class CelerySingletonException(SingleFlightError):
+    """celery-singleton's base error; here the base of :class:`DuplicateTaskError`."""
+
+
+class DuplicateTaskError(LockHeld, CelerySingletonException):
     """A duplicate send with ``raise_on_duplicate``: ``task_id`` is the queued or running task
     (also ``holder``, as a :class:`~..errors.LockHeld`)."""
 
@@ -57,7 +77,7 @@ def _refuse_settings(app: Any) -> None:
             " set that instead, or remove the setting"
         )
     backend = conf.get("singleton_backend_class")
-    if backend is not None and backend != _DEFAULT_BACKEND:
+    if backend is not None and backend not in _DEFAULT_BACKENDS:
         raise ConfigurationError(
             f"singleton_backend_class {backend!r} is not supported: leases live in Redis only;"
             " remove it (and singleton_backend_kwargs)"
@@ -66,6 +86,11 @@ def _refuse_settings(app: Any) -> None:
         raise ConfigurationError(
             "singleton_backend_kwargs is not read: put connection options in singleflight_redis_url or"
             " singleflight_redis_transport_options"
+        )
+    if conf.get("singleton_json_encoder_class") is not None:
+        raise ConfigurationError(
+            "singleton_json_encoder_class is not read: a key renders arguments as canonical JSON and refuses"
+            " what it cannot render; give the task a lock_key (a template or a callable) instead"
         )
 
 
@@ -81,6 +106,12 @@ class Singleton(SingleFlightTask):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__name__}"
+        if callable(cls.__dict__.get("on_duplicate")):
+            raise ConfigurationError(
+                f"task {name}: celery-singleton's on_duplicate(self, existing_task_id) hook is not called"
+                " here (on_duplicate is the duplicate policy, 'skip' or 'raise'); use raise_on_duplicate and"
+                " catch DuplicateTaskError, or compare the AsyncResult that delay() returns"
+            )
         signature = call_signature(cls)
         if signature is not None and "lock_key" not in cls.__dict__:
             unique_on = cls.unique_on
@@ -106,6 +137,13 @@ class Singleton(SingleFlightTask):
             if cls.lock_expiry is None and expiry is not None:
                 default(cls, "dedup_ttl", expiry)
         super().on_bound(app)
+
+    def __getattr__(self, name: str) -> Any:
+        """celery-singleton's names that are not offered raise :class:`~.shared.NotSupported`
+        (an ``AttributeError``) saying what to use instead."""
+        if name in _NOT_OFFERED:
+            raise NotSupported(f"Singleton.{name} is not offered here: {_NOT_OFFERED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     *rest: Any, **options: Any) -> Any:
