@@ -134,3 +134,23 @@ def test_dispatch_join_status_and_progress_views(site: SimpleNamespace) -> None:
     assert client.get(progress_url).json()["result"] == one
     assert client.get(f"/progress/{joined}/").json()["result"] == one
     assert client.get("/reports/acme/").status_code == 405  # dispatching takes a POST
+
+
+def test_a_misspelled_setting_stops_django_at_start(tmp_path: Any) -> None:
+    """The site's settings with ``CELERY_SINGLEFLIGHT_TLL = 5`` (for ``..._TTL``): ``django.setup()``
+    fails, naming the setting as written and the right one; the same settings without the typo
+    start. (The site's AppConfig.ready() calls check_app.)"""
+    import subprocess
+
+    for typo, expected in (("CELERY_SINGLEFLIGHT_TLL = 5", 1), ("", 0)):
+        (tmp_path / "typo_settings.py").write_text(f"from mysite.settings import *  # noqa: F403\n{typo}\n")
+        done = subprocess.run(
+            [sys.executable, "-c", "import django; django.setup()"], capture_output=True, text=True,
+            timeout=60, cwd=tmp_path,
+            env={**os.environ, "DJANGO_SETTINGS_MODULE": "typo_settings", "REDIS_URL": "redis://127.0.0.1:1",
+                 "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SITE), str(ROOT)])},
+        )
+        assert done.returncode == expected, done.stderr
+        if expected:
+            assert ("unknown setting 'CELERY_SINGLEFLIGHT_TLL'; did you mean CELERY_SINGLEFLIGHT_TTL?"
+                    in done.stderr), done.stderr
