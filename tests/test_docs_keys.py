@@ -136,3 +136,24 @@ def test_a_key_shown_for_a_call_is_what_render_key_gives(page: str, task: str, a
     assert task in definitions, f"{page} shows the key of {task}(...), a task no docs code block defines"
     template, name, signature = definitions[task]
     assert _render(template, name, signature, args) == key, f"{page}: {task}({args})"
+
+
+#: a key part in JSON quotes right after a separator, as a page or a sample output shows it
+_QUOTED_PART = re.compile(r'[\w.-][:/|-]\\?"(?P<value>[^"\\\s]+)\\?"')
+
+
+def test_no_page_shows_a_name_in_quotes_inside_a_key() -> None:
+    """A string that reads as a name renders bare (``report:acme``), so a key shown with such a
+    string in JSON quotes (``report:"acme"``) is one the code never writes: a reader who types it
+    is told "not held"."""
+    from celery_singleflight.keys import render_value
+
+    wrong = []
+    for page in PAGES:
+        for match in _QUOTED_PART.finditer(page.read_text()):
+            value = match["value"]
+            if any(stop in value for stop in ":/|-"):
+                continue  # quoted when it holds the separator after its placeholder: not decidable here
+            if render_value(value) == value:
+                wrong.append(f"{page.name}: {match[0]}")
+    assert wrong == []
