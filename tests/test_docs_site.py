@@ -65,3 +65,14 @@ def test_the_api_page_documents_exactly_the_stable_api() -> None:
     }
     assert stable - shown - in_whole_modules == set()
     assert shown - stable - _WHOLE_MODULES == set()
+
+
+def test_the_docs_stay_short() -> None:
+    """The README is a pitch (at most 1,500 words) and the user docs at most 25,000 words,
+    counted as ``wc -w`` counts them: whitespace-separated tokens of the Markdown source, code and
+    tables included, every page of docs/ plus the CHANGELOG the changelog page includes."""
+    def words(path: Path) -> int:
+        return len(path.read_text().split())
+
+    assert words(ROOT / "README.md") <= 1500
+    assert sum(words(page) for page in DOCS.glob("*.md")) + words(ROOT / "CHANGELOG.md") <= 25000
