@@ -233,7 +233,9 @@ def status(app: Any, key: str, slot: int = 0, *, namespace: str | None = None) -
 
 def status_all(app: Any, key: str, slots: int | None = None, *, namespace: str | None = None
                ) -> list[KeyStatus]:
-    """Every held slot of ``key`` (see :meth:`StatusReader.read_all`); empty if none is held."""
+    """Every held slot of ``key``, by slot (a ``max_concurrency`` > 1 key has one per running
+    run); empty if none is held. ``slots``: the key's ``max_concurrency`` when known (one round
+    trip); without it the key's slots are found with ``SCAN``."""
     return reader(app, namespace).read_all(key, slots)
 
 
@@ -245,8 +247,9 @@ def held(app: Any, prefix: str = "", *, namespace: str | None = None) -> list[Ke
 
 def watch(app: Any, key: str, timeout: float | None = None, slot: int = 0, *,
           namespace: str | None = None) -> Iterator[WatchEvent]:
-    """Follow the run on ``key`` (its slot 0, or ``slot``) live until it ends (see
-    :meth:`StatusReader.watch`)."""
+    """Follow the run on ``key`` (its slot 0, or ``slot``) live until it ends: its history first,
+    then each event as it comes (``progress``, ``duplicate``, and ``end`` last); stops after
+    ``timeout`` seconds if given."""
     return reader(app, namespace).watch(key, timeout=timeout, slot=slot)
 
 
