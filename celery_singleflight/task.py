@@ -34,7 +34,6 @@ from .keys import KeyFunction, canonical, compile_key
 from .ops.status import KeyStatus, StatusReader, WatchEvent
 from .ops.timestatus import TimeStatus, task_time_status
 from .policies import define_stages, pipeline_for
-from .policies.enqueue import forget_mark, keep_for_retry
 from .protocol.store import LeaseStore
 from .run.guard import options_store
 from .run.lease import Lease
@@ -196,24 +195,19 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         return self.pipeline.run(self, args, kwargs, super().__call__)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Release the lease before the retry is published, so it is not its own duplicate. With
-        enqueue-time dedup the key's marker stays (the retry keeps the task id), so a send during
-        the countdown returns this task; if no retry is sent (``max_retries`` reached), it goes."""
+        """Release the lease before the retry is published, so it is not its own duplicate (an
+        enqueue marker stays with the retry, which keeps the task id). If no retry is sent
+        (``max_retries`` reached), the run is recorded ``failed`` and its marker freed."""
         guard = getattr(self.request, REQUEST_ATTR, None)
-        keep = guard is not None and guard.clear_marker
         if guard is not None:
-            guard.clear_marker = False
             guard.end("retried", answer_joined=False)
-            if keep:
-                keep_for_retry(guard.store, guard.key, guard.holder.task_id, self.options.dedup_ttl,
-                               self.options.max_concurrency)
         try:
             return super().retry(*args, **kwargs)
         except Retry:
             raise
         except BaseException:
-            if keep and guard is not None:
-                forget_mark(guard.store, guard.key, guard.holder.task_id)
+            if guard is not None:
+                guard.retry_not_sent()
             raise
 
     def progress(

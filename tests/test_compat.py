@@ -513,6 +513,8 @@ def test_a_run_waiting_to_retry_keeps_its_key_until_its_last_retry_fails(onceapp
     with pytest.raises(MaxRetriesExceededError):
         first.get(timeout=20)
     time.sleep(0.2)
+    ended = onceapp.always_retry.status(1)  # recorded as what happened: no retry was sent
+    assert ended is not None and (ended.task_id, ended.outcome) == (first.id, "failed")
     after = onceapp.always_retry.delay(1)  # the final retry failed: the key is free
 
     after.revoke()

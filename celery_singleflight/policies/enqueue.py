@@ -23,7 +23,7 @@ from ..config.option import Option, OptionGroup, flag, seconds
 from ..protocol.store import LeaseStore
 from ..run.stage import Send, Stage
 
-__all__ = ["EnqueueDedup", "EnqueueOptions", "forget_mark", "keep_for_retry", "send_once"]
+__all__ = ["EnqueueDedup", "EnqueueOptions", "send_once"]
 
 log = logging.getLogger("celery_singleflight.duplicate")
 
@@ -80,20 +80,6 @@ def send_once(
         with contextlib.suppress(redis.RedisError):
             store.marks.clear_enqueued(key, new_id)  # the publish failed: leave no marker behind
         raise
-
-
-def keep_for_retry(store: LeaseStore, key: str, task_id: str, ttl: float, slots: int) -> None:
-    """A run of ``task_id`` that ended to retry keeps ``key``'s marker, renewed for ``ttl``: its
-    retry is queued under the same task id, so a send during the countdown returns it. Best
-    effort: without Redis, the lease still guards the retry when it runs."""
-    with contextlib.suppress(redis.RedisError):
-        store.marks.mark_enqueued(key, task_id, ttl, slots)
-
-
-def forget_mark(store: LeaseStore, key: str, task_id: str) -> None:
-    """Clear ``key``'s marker if it is ``task_id``'s (a retry that was not sent). Best effort."""
-    with contextlib.suppress(redis.RedisError):
-        store.marks.clear_enqueued(key, task_id)
 
 
 class EnqueueDedup(Stage):

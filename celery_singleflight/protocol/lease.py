@@ -297,7 +297,8 @@ class LeaseCalls(Feature):
         )
         return int(reply[0]), (text(reply[1]) if len(reply) > 1 else "")
 
-    def revise_outcome(self, key: str, task_id: str, recorded: str, known: str) -> bool:
-        """Correct the recorded outcome of ``task_id``'s run (e.g. terminated -> revoked)."""
-        reply = self._revise(keys=[self.ctx.layout.run(key)], args=[task_id, recorded, known])
+    def revise_outcome(self, key: str, task_id: str, recorded: str, known: str, slot: int = 0) -> bool:
+        """Correct the recorded outcome of ``task_id``'s run on ``slot`` (e.g. terminated -> revoked,
+        retried -> failed)."""
+        reply = self._revise(keys=[self.ctx.layout.run(key, slot)], args=[task_id, recorded, known])
         return int(reply) == ReviseReply.REVISED

@@ -128,6 +128,19 @@ class Guard:
         signals.lease_acquired.send(sender=self.sender, lease=lease)
         return lease
 
+    def retry_not_sent(self) -> None:
+        """The run released as ``retried``, but no retry was sent (``max_retries`` reached, the
+        publish failed): record ``failed`` instead, and free the enqueue marker it kept for the
+        retry. Both steps are owner-checked, so safe to run twice; best effort (without Redis the
+        marker's TTL ends it)."""
+        lease = self.lease
+        if lease is None:
+            return
+        with contextlib.suppress(redis.RedisError):
+            self.store.lease.revise_outcome(self.key, lease.task_id, "retried", "failed", lease.slot)
+            if self.clear_marker:
+                self.store.marks.clear_enqueued(self.key, lease.task_id)
+
     def forget_attempt(self, outcome: str = "retried") -> None:
         """Release what an acquire that failed (no reply came) may have taken; best effort: if
         Redis still cannot be reached, the next attempt adopts it (``take(earlier=token)``)."""
@@ -197,7 +210,9 @@ class Guard:
         try:
             settlement = self.store.release(
                 self.key, lease.token, outcome, opts.ttl, fence=lease.fence, slot=lease.slot,
-                slots=opts.max_concurrency, answer_joined=answer_joined, clear_marker=self.clear_marker,
+                slots=opts.max_concurrency, answer_joined=answer_joined,
+                # a run that ends to retry keeps its enqueue marker: the retry keeps its task id
+                clear_marker=self.clear_marker and outcome != "retried",
                 task_id=lease.task_id,
             )
         except redis.RedisError as exc:
