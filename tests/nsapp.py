@@ -1,7 +1,7 @@
-"""A task in a namespace of its own (tests/test_task_namespace.py), in an app of its own with its
-own queue: the other tests' workers, some running as a one-namespace ACL user, never meet it.
+"""A task in a namespace of its own (tests/test_task_namespace.py), in an app of its own on a
+private Redis: the other tests' workers, some running as a one-namespace ACL user, never meet it.
 
-Redis comes from ``SF_TEST_REDIS`` as for sfapp: broker db 0, results db 1, leases db 2.
+Redis comes from ``SF_TEST_REDIS``: broker db 0, results db 1, leases db 2.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ BASE = os.environ.get("SF_TEST_REDIS", "redis://127.0.0.1:6379")
 app = Celery("nsapp", broker=f"{BASE}/0", backend=f"{BASE}/1")
 app.conf.update(
     singleflight_redis_url=f"{BASE}/2",
-    task_default_queue="nsapp",
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
 )

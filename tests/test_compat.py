@@ -4,15 +4,9 @@ examples with only the import changed) on a real worker, and what its ``once`` o
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import importlib
-import os
 import pickle
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -23,61 +17,19 @@ from celery.exceptions import MaxRetriesExceededError
 from celery_singleflight import ConfigurationError, KeyTemplateError, LockHeld, SingleFlightError, is_skipped
 from celery_singleflight.compat import AlreadyQueued, QueueOnce
 from celery_singleflight.compat.shared import NotSupported
-from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing import RedisServer
+
+from .conftest import running_app, wait_running
 
 #: also run against the lowest and highest Celery and redis-py (make test)
 pytestmark = pytest.mark.core
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-
-
-@contextlib.contextmanager
-def running_app(module_name: str, env_var: str, concurrency: int = 4) -> Iterator[ModuleType]:
-    """Import ``tests/<module_name>.py`` against a private Redis (its URL in ``env_var``) with a
-    real worker running it; used by the celery-singleton and celery-heimdall tests too."""
-    old = os.environ.get(env_var)
-    with RedisServer() as redis_server:
-        os.environ[env_var] = redis_server.url
-        sys.modules.pop(module_name, None)
-        if str(TESTS) not in sys.path:
-            sys.path.insert(0, str(TESTS))
-        module = importlib.import_module(module_name)
-        worker = WorkerProcess(
-            module_name, concurrency=concurrency, cwd=str(TESTS), loglevel="WARNING",
-            env={env_var: redis_server.url, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
-        )
-        try:
-            worker.start(module.app)
-            yield module
-        finally:
-            worker.stop(timeout=15)
-            worker.kill()
-            worker.cleanup()
-            sys.modules.pop(module_name, None)
-            del module
-            gc.collect()  # results of this app let go while its Redis still answers (Celery 5.3 retries)
-            if old is None:
-                os.environ.pop(env_var, None)
-            else:
-                os.environ[env_var] = old
 
 
 @pytest.fixture(scope="module")
 def onceapp() -> Iterator[ModuleType]:
     with running_app("onceapp", "SF_ONCE_REDIS") as module:
         yield module
-
-
-def wait_running(task: Any, *args: Any, **kwargs: Any) -> None:
-    """Wait until a run of this call holds its key (read in the task's own lease store)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        st = task.status(*args, **kwargs)
-        if st is not None and st.held:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{task.render_key(*args, **kwargs)} was not taken")
 
 
 # -- the once options, mapped when the task is defined ----------------------------------------------

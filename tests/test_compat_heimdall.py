@@ -15,7 +15,8 @@ from celery import Celery
 from celery_singleflight import ConfigurationError, LockHeld, is_skipped
 from celery_singleflight.compat.heimdall import AlreadyQueuedError, HeimdallTask, RateLimit
 from celery_singleflight.compat.shared import NotSupported
-from tests.test_compat import running_app, wait_running
+
+from .conftest import running_app, wait_running
 
 #: also run against the lowest and highest Celery and redis-py (make test)
 pytestmark = pytest.mark.core

@@ -20,7 +20,8 @@ from celery_singleflight.compat.singleton import (
     clear_locks,
 )
 from celery_singleflight.testing import RedisServer
-from tests.test_compat import running_app, wait_running
+
+from .conftest import running_app, wait_running
 
 #: also run against the lowest and highest Celery and redis-py (make test)
 pytestmark = pytest.mark.core

@@ -4,7 +4,6 @@ namespace: ``hold()``, ``status()``, ``status_all()``, ``held()``, ``watch()``,
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -16,46 +15,29 @@ import pytest
 
 import celery_singleflight as sf
 from celery_singleflight import LockHeld, hold
-from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import TESTS, wait_for, worker_env
+from .conftest import ROOT, TESTS, running_app, wait_for
 
 pytestmark = pytest.mark.worker
 
 
 @pytest.fixture(scope="module")
-def nsapp(redis_server: RedisServer) -> Iterator[ModuleType]:
-    """tests/nsapp.py with a worker of its own on its own queue."""
-    old = os.environ.get("SF_TEST_REDIS")
-    os.environ["SF_TEST_REDIS"] = redis_server.url
-    sys.modules.pop("nsapp", None)
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    module = importlib.import_module("nsapp")
-    worker = WorkerProcess("nsapp", concurrency=2, cwd=str(TESTS), env=worker_env(redis_server),
-                           extra=("-Q", "nsapp"))
-    try:
-        worker.start(module.app)
+def nsapp() -> Iterator[ModuleType]:
+    """tests/nsapp.py on a private Redis of its own, with its worker."""
+    with running_app("nsapp", "SF_TEST_REDIS", concurrency=2) as module:
         yield module
-    finally:
-        worker.stop(timeout=15)
-        worker.kill()
-        worker.cleanup()
-        sys.modules.pop("nsapp", None)
-        if old is None:
-            os.environ.pop("SF_TEST_REDIS", None)
-        else:
-            os.environ["SF_TEST_REDIS"] = old
 
 
-def run_cli(redis_server: RedisServer, *args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(nsapp: ModuleType, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "nsapp", "singleflight", *args], cwd=TESTS,
-        env={**os.environ, **worker_env(redis_server)}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SF_TEST_REDIS": nsapp.BASE,
+             "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])},
+        capture_output=True, text=True, timeout=60,
     )
 
 
-def test_every_key_tool_takes_the_tasks_namespace(nsapp: ModuleType, redis_server: RedisServer) -> None:
+def test_every_key_tool_takes_the_tasks_namespace(nsapp: ModuleType) -> None:
     task = nsapp.billing_sleeper
     result = task.delay("ns", 30)
     key = task.render_key("ns")
@@ -76,14 +58,14 @@ def test_every_key_tool_takes_the_tasks_namespace(nsapp: ModuleType, redis_serve
         pytest.fail("a hold in the task's namespace must be refused while the task runs")
     assert refused.value.holder == result.id
 
-    shown = run_cli(redis_server, "show", "--namespace", "billing", key)
+    shown = run_cli(nsapp, "show", "--namespace", "billing", key)
     assert shown.returncode == 0 and result.id in shown.stdout, shown.stderr
-    assert run_cli(redis_server, "show", key).returncode == 1
-    listed = run_cli(redis_server, "ls", "--namespace", "billing", "--json")
+    assert run_cli(nsapp, "show", key).returncode == 1
+    listed = run_cli(nsapp, "ls", "--namespace", "billing", "--json")
     assert listed.returncode == 0 and result.id in listed.stdout
-    by_task = run_cli(redis_server, "show", "--task", task.name, "ns")
+    by_task = run_cli(nsapp, "show", "--task", task.name, "ns")
     assert by_task.returncode == 0 and result.id in by_task.stdout
-    clash = run_cli(redis_server, "show", "--namespace", "other", "--task", task.name, "ns")
+    clash = run_cli(nsapp, "show", "--namespace", "other", "--task", task.name, "ns")
     assert clash.returncode == 2 and "namespace" in clash.stderr
 
     events = sf.watch(nsapp.app, key, timeout=20, namespace="billing")

@@ -220,4 +220,4 @@ class HeimdallTask(SingleFlightTask):
         result, sent, key = send_checked(self, args, kwargs, task_id, rest, options, self.options.dedup_ttl)
         if sent or not type(self)._sf_raises:
             return result
-        raise AlreadyQueuedError(math.ceil(time_left(self, key)), result.id, key)
+        raise AlreadyQueuedError(math.ceil(time_left(self, key)[1]), result.id, key)

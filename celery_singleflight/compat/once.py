@@ -30,8 +30,6 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis
-
 from ..config.option import Resolving, seconds
 from ..errors import ConfigurationError, LockHeld, SingleFlightError
 from ..ops.status import StatusReader
@@ -256,8 +254,4 @@ class QueueOnce(SingleFlightTask):
         result, sent, key = send_checked(self, args, kwargs, task_id, rest, options, ttl)
         if sent or call.get("graceful"):
             return result
-        try:
-            lease_left = self.store.time_left(key)
-        except redis.RedisError:  # the error stands without the figure
-            lease_left = None
-        raise AlreadyQueued(key, result.id, lease_left, time_left(self, key))
+        raise AlreadyQueued(key, result.id, *time_left(self, key))

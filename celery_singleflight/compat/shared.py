@@ -114,17 +114,18 @@ def adopt_redis_url(app: Any, url: Any, setting: str) -> None:
     app.conf.singleflight_redis_url = url
 
 
-def time_left(task: Any, key: str) -> float:
-    """Seconds until ``key`` could be taken at the earliest: the holder's lease time left once it
-    runs (renewed while it runs), else its enqueue marker's; 0.0 when neither is known."""
+def time_left(task: Any, key: str) -> tuple[float | None, float]:
+    """``(lease, earliest)``: the holder's lease time left (None while it is queued, or when Redis
+    cannot say), and the seconds until ``key`` could be taken at the earliest: that lease's
+    (renewed while it runs), else the enqueue marker's; 0.0 when neither is known."""
     store = task.store
+    lease = None
     with contextlib.suppress(redis.RedisError):
-        left = store.time_left(key)
-        if left is None:
-            left = store.marks.enqueued(key)[1]
+        lease = store.time_left(key)
+        left = lease if lease is not None else store.marks.enqueued(key)[1]
         if left is not None and math.isfinite(left):
-            return max(0.0, float(left))
-    return 0.0
+            return lease, max(0.0, float(left))
+    return lease, 0.0
 
 
 def is_resend(options: dict[str, Any]) -> bool:
