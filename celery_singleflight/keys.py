@@ -227,20 +227,17 @@ def _resolve(name: str, bound: Mapping[str, Any], template: str, task_name: str)
         )
     value = bound[head]
     for i, field in enumerate(fields):
-        where = ".".join([head, *fields[: i + 1]])
-        if isinstance(value, Mapping):
-            if field not in value:
-                raise KeyTemplateError(
-                    f"task {task_name}: lock key {template!r}: <{where}> is missing: the argument"
-                    f" {'.'.join([head, *fields[:i]])} is a mapping without the key {field!r}"
-                )
+        if isinstance(value, Mapping) and field in value:
             value = value[field]
-        elif hasattr(value, field):
+        elif not isinstance(value, Mapping) and hasattr(value, field):
             value = getattr(value, field)
         else:
+            parent = ".".join([head, *fields[:i]])
+            lacks = ("is a mapping without the key" if isinstance(value, Mapping)
+                     else f"({type(value).__name__}) has no field")
             raise KeyTemplateError(
-                f"task {task_name}: lock key {template!r}: <{where}> is missing: the argument"
-                f" {'.'.join([head, *fields[:i]])} ({type(value).__name__}) has no field {field!r}"
+                f"task {task_name}: lock key {template!r}: <{parent}.{field}> is missing: the"
+                f" argument {parent} {lacks} {field!r}"
             )
     return value
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..connection.targets import RedisTarget
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, KeyTemplateError
 from ..protocol.layout import Layout
 from .option import Derived, Option, OptionGroup, Resolving, anything, count, flag, rate, seconds
 from .settings import redis_target_for, redis_url_for
@@ -24,10 +24,13 @@ def _redis_url(where: str, value: Any, ctx: Resolving) -> str:
 
 
 def _namespace(where: str, value: Any, ctx: Resolving) -> str:
-    if not isinstance(value, str) or not value or any(c.isspace() or c in "{}" for c in value):
+    try:
+        if not isinstance(value, str):
+            raise KeyTemplateError(f"a namespace is a string, not {type(value).__name__}")
+        Layout(value)  # the rule lives with the layout
+    except KeyTemplateError as exc:
         raise ConfigurationError(f"{where} must be a non-empty string without whitespace or braces,"
-                                 f" not {value!r}")
-    Layout(value)  # the layout's own check, the same rule
+                                 f" not {value!r}") from exc
     return value
 
 
