@@ -18,6 +18,7 @@ nowhere fails, so a renamed task cannot leave a stale key behind.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ def _defined_in(sources: list[str]) -> dict[str, tuple[Any, str, str]]:
     return found
 
 
+@functools.cache
 def _definitions(page: str) -> dict[str, tuple[Any, str, str]]:
     """The tasks a page can mean: those it defines or includes first, then any other page's."""
     everywhere: dict[str, tuple[Any, str, str]] = _defined_in([p.read_text() for p in EXAMPLES])
