@@ -93,6 +93,9 @@ PROBE_CONNECT_TIMEOUT = 2.0
 PROBE_SOCKET_TIMEOUT = 3.0
 #: the start checks warn beyond this difference between Redis's clock and the worker's
 MAX_CLOCK_SKEW = 1.0
+#: the task options whose runs wait in the lease Redis as delayed runs (the start checks name the
+#: tasks that set one when that Redis has no append-only file)
+DELAYING_OPTIONS = ("debounce", "key_rate_limit")
 
 # -- operators ------------------------------------------------------------------------------
 

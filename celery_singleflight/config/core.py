@@ -11,12 +11,14 @@ from typing import Any
 from ..connection.targets import RedisTarget
 from ..errors import ConfigurationError, KeyTemplateError
 from ..protocol.layout import Layout
-from .option import Derived, Option, OptionGroup, Resolving, anything, count, flag, rate, seconds
+from .option import Derived, Option, OptionGroup, Resolving, anything, choice, count, flag, rate, seconds
 from .settings import redis_target_for, redis_url_for
 
-__all__ = ["REDIS_ERROR_MODES", "CoreOptions"]
+__all__ = ["PERSISTENCE_MODES", "REDIS_ERROR_MODES", "CoreOptions"]
 
 REDIS_ERROR_MODES = ("fail_closed", "fail_open")
+#: what a worker does at start when waiting runs live in a lease Redis without an append-only file
+PERSISTENCE_MODES = ("warn", "refuse", "off")
 
 
 def _redis_url(where: str, value: Any, ctx: Resolving) -> str:
@@ -100,6 +102,15 @@ class CoreOptions(OptionGroup):
     )
     #: the URL with its transport options or client factory (one client per target)
     redis = Derived[RedisTarget](_target)
+    require_persistence = Option[str](
+        default="warn", check=choice(PERSISTENCE_MODES),
+        meaning="What a worker does at start when some of its tasks keep parked or delayed runs in the lease"
+        " Redis and that Redis has no append-only file, so a restart loses them"
+        " ([operations](operations.md#persistence-of-the-lease-redis)): `warn` logs a WARNING naming the"
+        " tasks, `refuse` stops the worker.",
+        values="`\"warn\"`, `\"refuse\"` or `\"off\"` (no check). A Redis that refuses `CONFIG GET` is"
+        " reported at INFO, never refused.",
+    )
     namespace = Option[str](
         task="lock_namespace", default="sf", check=_namespace,
         meaning="The prefix of every Redis key the library writes (`<namespace>:{<key>}:run` ..., [how it"

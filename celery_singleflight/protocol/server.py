@@ -1,6 +1,6 @@
 """What the worker's start checks ask of a lease Redis (:mod:`..worker.preflight`): its version
-and role, its eviction policy and replication, its clock, whether it lets this user run and load
-the protocol's scripts, and which protocol version last started in the namespace.
+and role, its eviction policy, persistence and replication, its clock, whether it lets this user
+run and load the protocol's scripts, and which protocol version last started in the namespace.
 
 Every call here is read-only, but for loading the scripts (which warms Redis's script cache) and
 the namespace's protocol mark (``<namespace>:protocol``): the highest protocol version of any
@@ -20,8 +20,8 @@ from .context import text
 from .fields import PROTOCOL
 from .layout import Layout, Part
 
-__all__ = ["MARK", "config_memory", "hello", "load_scripts", "mark_protocol", "ping", "replication",
-           "server_time"]
+__all__ = ["MARK", "config_memory", "config_persistence", "hello", "load_scripts", "mark_protocol", "ping",
+           "replication", "server_time"]
 
 #: a script SHA nobody loaded: EVALSHA answers NOSCRIPT when permitted and NOPERM when not, and runs nothing
 _UNKNOWN_SHA = "0" * 40
@@ -50,6 +50,14 @@ def config_memory(client: Any) -> tuple[int, str]:
     """(``maxmemory``, ``maxmemory-policy``) from ``CONFIG GET``."""
     conf: Any = client.config_get("maxmemory*")
     return int(conf.get("maxmemory", 0) or 0), str(conf.get("maxmemory-policy", "noeviction"))
+
+
+def config_persistence(client: Any) -> dict[str, str]:
+    """``appendonly``, ``appendfsync`` and ``save`` from ``CONFIG GET append*`` and ``CONFIG GET save``
+    (only what the server answered); stops at the first refusal, as each is an ``ACL LOG`` entry."""
+    conf: dict[str, str] = {text(k): text(v) for k, v in dict(client.config_get("append*")).items()}
+    conf.update({text(k): text(v) for k, v in dict(client.config_get("save")).items()})
+    return {name: conf[name] for name in ("appendonly", "appendfsync", "save") if name in conf}
 
 
 def replication(client: Any) -> dict[str, Any]:

@@ -34,8 +34,8 @@ class Finding:
     ``level`` is a :mod:`logging` level: INFO for the summary of a lease Redis, WARNING for
     something to fix, ERROR for a refusal (the worker does not start). ``url`` is the redacted
     URL of the Redis (or broker) concerned; ``check`` names the check (``reachability``,
-    ``scripts``, ``replication``, ``eviction``, ``clock``, ``ttl``, ``visibility_timeout``,
-    ``summary``).
+    ``scripts``, ``replication``, ``eviction``, ``persistence``, ``clock``, ``ttl``,
+    ``visibility_timeout``, ``summary``).
     """
 
     level: int

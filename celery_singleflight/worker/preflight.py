@@ -15,14 +15,18 @@ scripts loaded, clock skew +0.003 s``; passwords are redacted) and, where needed
 - **role**: from ``HELLO`` (which needs no permission) and ``INFO replication``. A replica stops the
   worker; a primary with connected replicas and no ``min-replicas-to-write`` is a WARNING;
 - **eviction**: ``CONFIG GET maxmemory*``; a policy other than ``noeviction`` is a WARNING;
+- **persistence**: ``CONFIG GET append*`` and ``save``, against the tasks that keep waiting runs
+  there (:mod:`.persistence`): without an append-only file, a WARNING or a refusal, as
+  ``singleflight_require_persistence`` says; otherwise INFO;
 - **clock**: Redis ``TIME`` against ``time.time()`` (midpoint of the round trip), a WARNING beyond
   :data:`~..constants.MAX_CLOCK_SKEW`;
 - **lease TTL** against the client's timeouts, a WARNING (see :func:`.findings.ttl_findings`).
 
-``CONFIG`` and ``INFO`` are optional: a refusal is logged at DEBUG and the check skipped. Every
-refusal is an entry in Redis's ``ACL LOG``, so after a refused ``CONFIG GET`` the worker does not
-try ``INFO`` as well (the role still comes from ``HELLO``). Under the recommended per-tenant ACL
-(docs/isolation.md) a worker start therefore adds exactly one entry, ``config|get``.
+``CONFIG`` and ``INFO`` are optional: a refusal is logged at DEBUG and the check skipped (the
+persistence check says "unknown" at INFO). Every refusal is an entry in Redis's ``ACL LOG``, so
+after a refused ``CONFIG GET`` the worker tries neither another ``CONFIG GET`` nor ``INFO`` (the
+role still comes from ``HELLO``). Under the recommended per-tenant ACL (docs/isolation.md) a
+worker start therefore adds exactly one entry, ``config|get``.
 
 Once per app: the broker's visibility timeout against the time limits of guarded ``acks_late``
 tasks (Redis and SQS brokers), a WARNING.
@@ -65,6 +69,7 @@ from .findings import (
     unreachable,
     visibility_findings,
 )
+from .persistence import persistence_finding, read_persistence, refused
 from .registry import guarded_tasks
 
 __all__ = ["Finding", "clock_finding", "clock_skew", "preflight", "run_at_worker_start",
@@ -239,6 +244,17 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
         evicts = _safely("eviction", shown, eviction)
         if evicts is not None:
             findings.append(evicts)
+
+        def persistence() -> Finding | None:
+            mode = target.tasks[0].options.require_persistence if target.tasks else "off"
+            if mode == "off":
+                return None  # asks nothing: one CONFIG GET fewer
+            found = refused() if admin_refused else read_persistence(client)
+            return persistence_finding(shown, target.tasks, found, mode)
+
+        persists = _safely("persistence", shown, persistence)
+        if persists is not None:
+            findings.append(persists)
 
         def replication() -> dict[str, Any]:
             if admin_refused:
