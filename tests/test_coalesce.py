@@ -88,9 +88,10 @@ def test_coalesce_script_run_twice_answers_the_same(redis_server: RedisServer) -
         assert store.newest.coalesce("k", "c", "hc", '{"c": 1}', "last", "150") == "b"  # sent before b
         assert proxy.faults and len(proxy.faults) == 3
         assert store.handoff.queued("k") == 1
-        assert store.newest.started("k", "b", 0)[0] == ('{"a": 1}',)  # its caller has not cleared them yet
+        # its caller has not cleared them yet
+        assert store.newest.started("k", "b", 0, "200").owed == ('{"a": 1}',)
         store.newest.answered("k", "b")
-        assert store.newest.started("k", "b", 0)[0] == ()
+        assert store.newest.started("k", "b", 0, "200").owed == ()
         settlement = store.release("k", token)
         assert settlement.handoff == '{"b": 1}'
         # keep="first": the pending run stays

@@ -147,16 +147,16 @@ def supersede(dup: Duplicate) -> Any:
 
 
 def _end_replaced(task: Any, store: LeaseStore, key: str, into: str, messages: tuple[str, ...], *,
-                  supersede: bool = False) -> None:
-    """End the runs ``into`` replaced: SUCCESS with a coalesced result, or (``supersede``)
-    FAILURE with :class:`Superseded`; their callbacks and chains go on as for joined runs. Then
-    forget them."""
+                  supersede: bool = False, owner: str | None = None) -> None:
+    """End the runs ``owner`` (by default ``into``) replaced: SUCCESS with a result coalesced
+    into ``into``, or (``supersede``) FAILURE with :class:`Superseded`; their callbacks and chains
+    go on as for joined runs. Then forget them."""
     if supersede:
         answer_joined(task.app, messages, key, into, error=Superseded(key, into), label="superseded run")
     else:
         answer_joined(task.app, messages, key, into, result=coalesced(key, into), label="coalesced run")
     try:
-        store.newest.answered(key, into)
+        store.newest.answered(key, owner or into)
     except redis.RedisError as exc:  # they are ended again (the same result) when ``into`` starts
         log.debug("could not clear the replaced runs of key=%r: %s", key, exc)
 
@@ -196,23 +196,36 @@ class Newest(Stage):
         return proceed(call)
 
     def on_start(self, run: Run) -> Ended | None:
-        """A pending run starts (it was handed the key): end the runs it replaced whose ending its
-        caller may not have written (it died right after replacing them), and stop at once if a
-        newer run superseded it on its way (one round trip)."""
-        if not run.handoff:
-            return None
+        """A run starts (one round trip): if a run sent after it is pending or started already
+        (this one's message was re-sent or late), it does not run: it ends as replaced by that
+        run. A pending run handed the key also ends the runs it replaced whose ending its caller
+        may not have written (it died right after replacing them), and stops at once if a newer
+        run superseded it on its way."""
         guard, lease = run.guard, run.lease
         assert guard is not None and lease is not None
+        policy = effective_policy(run.task)
+        supersede = policy == "supersede"
+        # only a run of a newest-wins policy gives way to a newer one (with on_beat_duplicate alone,
+        # the task's other runs follow their own policy)
+        stamp = str(header(run.request, HEADER_SENT) or "") if policy in _POLICIES else ""
         try:
-            owed, notice = guard.store.newest.started(guard.key, run.task_id, lease.slot)
+            started = guard.store.newest.started(guard.key, run.task_id, lease.slot, stamp)
         except redis.RedisError as exc:
             log.debug("could not read the replaced runs of key=%r: %s", guard.key, exc)
             return None
-        if owed:
-            _end_replaced(run.task, guard.store, guard.key, run.task_id, owed,
-                          supersede=effective_policy(run.task) == "supersede")
-        if notice is not None:
-            lease.learn_superseded(notice)
+        if started.newer is not None:
+            if started.owed:
+                _end_replaced(run.task, guard.store, guard.key, started.newer, started.owed,
+                              supersede=supersede, owner=run.task_id)
+            log.info("%s[%s] key=%r: %s was sent after this run and is pending or started; this one does"
+                     " not run", run.task.name, run.task_id, guard.key, started.newer)
+            if supersede:
+                raise Superseded(guard.key, started.newer)
+            return Ended(coalesced(guard.key, started.newer))
+        if started.owed:
+            _end_replaced(run.task, guard.store, guard.key, run.task_id, started.owed, supersede=supersede)
+        if started.notice is not None:
+            lease.learn_superseded(started.notice)
             lease.check()  # superseded on its way here: raises Superseded, never runs
         return None
 

@@ -26,13 +26,15 @@ from .layout import Part, duration
 from .lua import Replies, Script, Template
 
 __all__ = [
-    "BOOK", "COALESCE", "NEWEST_PATTERNS", "NEWEST_TEMPLATES", "PARTS", "SCRIPTS", "SUPERSEDING",
-    "CoalesceReply", "NewestCalls", "NewestFields", "Notice", "ProgressNotice", "RenewNotice",
+    "BOOK", "COALESCE", "NEWEST_PATTERNS", "NEWEST_START", "NEWEST_TEMPLATES", "PARTS", "SCRIPTS",
+    "SUPERSEDING", "CoalesceReply", "NewestCalls", "NewestFields", "Notice", "ProgressNotice", "RenewNotice",
+    "StartReply", "Started",
 ]
 
-BOOK = Part("coalesce", "hash: `s:<id>` → send stamp, `o:<id>` → messages",
+BOOK = Part("coalesce", "hash: `s:<id>` → send stamp, `o:<id>` → messages, `latest`",
             f"{duration(constants.NEWEST_KEEP)} after its last change",
-            "`coalesce`, `supersede`: the pending run's send stamp; the runs it replaced, until answered")
+            "`coalesce`, `supersede`: the pending run's send stamp; the runs it replaced, until answered;"
+            " the last-sent run pending or started (an older one never runs after it)")
 SUPERSEDING = Part("superseding", "sorted set: key → when to revoke (ms)",
                    "none",
                    "keys whose holder was superseded, for the sweeper's revoke",
@@ -87,11 +89,29 @@ class CoalesceReply(Replies):
     GIVES_WAY = 2, "{GIVES_WAY, pending task id}: this run gives way to the pending run (it does not run)"
 
 
+class StartReply(Replies):
+    STALE = 0, ("{STALE, the newer run's task id, messages of the runs this one replaced or ''}: a run sent"
+                " after this one is pending or started: this one must not run")
+    STARTED = 1, "{STARTED, messages of the runs this one replaced or '', its record or ''}"
+
+
 COALESCE = Script("COALESCE", "newest/coalesce.lua",
                   ("shared/common.lua", "handoff/handoff.lua", "newest/newest.lua"),
                   replies=(CoalesceReply,), constants={**constants.LUA_CONSTANTS, "OWN_COPY": OWN_COPY},
                   templates=NEWEST_TEMPLATES)
-SCRIPTS = (COALESCE,)
+NEWEST_START = Script("NEWEST_START", "newest/start.lua", ("newest/newest.lua",), replies=(StartReply,),
+                      constants=constants.LUA_CONSTANTS, templates=NEWEST_TEMPLATES)
+SCRIPTS = (COALESCE, NEWEST_START)
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a starting run learns: the runs it replaced still to be ended, who superseded it on
+    its way, and the newer run it gives way to (None: it runs)."""
+
+    owed: tuple[str, ...]
+    notice: Notice | None
+    newer: str | None
 
 
 @dataclass(frozen=True)
@@ -140,19 +160,21 @@ class NewestCalls(Feature):
         """The runs replaced by ``task_id`` have been ended: forget them."""
         self.ctx.client.hdel(self.ctx.layout.key(BOOK, key), f"o:{task_id}")
 
-    def started(self, key: str, task_id: str, slot: int) -> tuple[tuple[str, ...], Notice | None]:
-        """A pending run starts (one round trip): the runs it replaced that its caller may not
-        have ended (it died first), to end again (ending twice writes the same result), and who
-        superseded it on its way, if anyone did. Its send stamp is forgotten: it is no longer
-        pending."""
+    def started(self, key: str, task_id: str, slot: int, stamp: str) -> Started:
+        """A run starts (one round trip): the runs it replaced that its caller may not have ended
+        (it died first), to end again (ending twice writes the same result); who superseded it
+        on its way, if anyone did; and, if a run sent after it (``stamp``) is pending or started
+        already, that run's task id: this one must not run. Its send stamp is forgotten: it is
+        no longer pending."""
         layout = self.ctx.layout
-        pipe = self.ctx.client.pipeline(transaction=False)
-        pipe.hget(layout.key(BOOK, key), f"o:{task_id}")
-        pipe.hdel(layout.key(BOOK, key), f"s:{task_id}")
-        pipe.get(layout.run(key, slot))
-        raw, _, record = pipe.execute()
-        owed = () if raw is None else tuple(json.loads(raw))
-        return owed, _notice(NewestFields.decode(record))
+        reply = self.ctx.script(NEWEST_START)(keys=[layout.key(BOOK, key), layout.run(key, slot)],
+                                              args=[task_id, stamp])
+        raw = text(reply[2]) if int(reply[0]) == StartReply.STALE else text(reply[1])
+        owed = tuple(json.loads(raw)) if raw else ()
+        if int(reply[0]) == StartReply.STALE:
+            return Started(owed, None, text(reply[1]))
+        record = text(reply[2]) or None
+        return Started(owed, _notice(NewestFields.decode(record)), None)
 
     def notice(self, key: str, slot: int) -> Notice | None:
         """Who superseded the run on ``slot`` of ``key`` (one round trip), making sure the key is

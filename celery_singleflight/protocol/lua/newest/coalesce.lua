@@ -23,7 +23,8 @@
 --        {PENDING, ms until the first holder's lease runs out, sup_due ms or '', messages...} once
 --        this run is the pending one: the messages of the runs it replaced (the caller ends them,
 --        then deletes 'o:<id>');
---        {GIVES_WAY, pending task id} if this run gives way to the pending run (it does not run)
+--        {GIVES_WAY, task id} if this run gives way to the pending run, or to a run sent after it
+--        that is pending or started already (it does not run)
 local n, mode = tonumber(ARGV[4]), ARGV[3]
 local queue, parked, book = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
 local sep = string.find(ARGV[1], '|', 1, true)
@@ -35,6 +36,10 @@ if not recs then
 end
 if redis.call('HGET', parked, id) then
   return append({PENDING, left, recs[1].sup_due or ''}, owed(book, id))
+end
+local newer = newer_run(book, stamp, id) -- sent after this run, and pending or started already
+if newer then
+  return {GIVES_WAY, newer}
 end
 local pending, pending_id = nil, nil
 for _, entry in ipairs(redis.call('LRANGE', queue, 0, -1)) do
@@ -74,6 +79,7 @@ redis.call('HSET', parked, id, ARGV[2])
 if stamp ~= '' then
   redis.call('HSET', book, 's:' .. id, stamp)
 end
+note_latest(book, stamp, id)
 redis.call('PEXPIRE', book, NEWEST_KEEP_MS)
 for i = 1, n do
   local r = recs[i]

@@ -40,3 +40,25 @@ local function owed(book, of)
   end
   return {}
 end
+-- COALESCE, NEWEST_START: the task id of a run sent after ``stamp`` that is already pending or
+-- started (the book's ``latest``: '<stamp> <task id>'), if there is one; a run sent by name
+-- (no stamp) counts as the newest
+local function newer_run(book, stamp, id)
+  local latest = redis.call('HGET', book, 'latest')
+  if stamp == '' or not latest then
+    return nil
+  end
+  local sep = string.find(latest, ' ', 1, true)
+  local their_stamp, their_id = tonumber(string.sub(latest, 1, sep - 1)), string.sub(latest, sep + 1)
+  if their_id ~= id and their_stamp > tonumber(stamp) then
+    return their_id
+  end
+  return nil
+end
+-- COALESCE, NEWEST_START: remember the run sent last that is pending or started
+local function note_latest(book, stamp, id)
+  if stamp ~= '' then
+    redis.call('HSET', book, 'latest', stamp .. ' ' .. id)
+    redis.call('PEXPIRE', book, NEWEST_KEEP_MS)
+  end
+end
