@@ -24,10 +24,12 @@ from .errors import (
     ProtocolMismatch,
     QueueFull,
     RedisUnavailable,
+    RunLost,
     SingleFlightError,
     Superseded,
     Throttled,
     UnstableKeyError,
+    WaitingLost,
 )
 
 # outside tasks
@@ -74,10 +76,12 @@ __all__ = [
     "ProtocolMismatch",
     "QueueFull",
     "RedisUnavailable",
+    "RunLost",
     "SingleFlightError",
     "Throttled",
     "Superseded",
     "UnstableKeyError",
+    "WaitingLost",
     # keys
     "MAX_KEY_LENGTH",
     "canonical",

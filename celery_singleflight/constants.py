@@ -9,13 +9,18 @@ column from here (:mod:`.protocol.layout`), and nothing else spells them.
 from __future__ import annotations
 
 __all__ = [
-    "ACQUIRE_ATTEMPTS", "CLIENT_BACKOFF_BASE", "CLIENT_BACKOFF_CAP", "CLIENT_HEALTH_CHECK",
+    "ACQUIRE_ATTEMPTS", "ADOPTED_KEEP", "CLIENT_BACKOFF_BASE", "CLIENT_BACKOFF_CAP", "CLIENT_HEALTH_CHECK",
     "CLIENT_RETRIES", "CONNECT_TIMEOUT", "DEBOUNCE_CLOSED_KEEP", "DEBOUNCE_GRACE", "DEBOUNCE_LEADER_EARLY",
+    "DELAYING_OPTIONS",
+    "DELAYED_GRACE", "DELAYED_KEEP", "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
     "HEARTBEAT_ERROR_RETRY", "HOLD_FIRST_DELAY", "HOLD_MAX_DELAY", "HOLD_MIN_DELAY", "LEASE_MARGIN",
-    "LEASE_MARGIN_SHARE", "LOST_KEPT", "LUA_CONSTANTS", "MAX_CLOCK_SKEW", "NEWEST_KEEP", "ORDER_KEEP",
-    "PROBE_CONNECT_TIMEOUT", "PROBE_SOCKET_TIMEOUT", "RATE_EARLY_ALLOWANCE", "RATE_GRANT_KEEP",
+    "JOURNAL_COMPACT",
+    "LEASE_MARGIN_SHARE", "LOST_KEPT", "LOST_RUN_GRACE", "LUA_CONSTANTS", "MAX_CLOCK_SKEW", "NEWEST_KEEP",
+    "ORDER_KEEP",
+    "PROBE_CONNECT_TIMEOUT", "PROBE_SOCKET_TIMEOUT", "RATE_EARLY_ALLOWANCE", "RATE_GRANT_KEEP", "RATE_LATE",
+    "RECOVER_ATTEMPTS",
     "REPLAY_WINDOW", "RESUME_GRACE", "RETRY_FIRST_WAIT", "RETRY_MIN_DELAY", "REVOKE_AGAIN", "SETTLE_KEEP",
-    "SKIPPED_KEPT", "SOCKET_TIMEOUT", "SWEEP_INTERVAL", "WATCH_POLL",
+    "SKIPPED_KEPT", "SOCKET_TIMEOUT", "SWEEP_INTERVAL", "WATCH_POLL", "WORKER_GONE_AFTER",
 ]
 
 # -- the run record and its replays ---------------------------------------------------------
@@ -45,14 +50,24 @@ ACQUIRE_ATTEMPTS = 5
 SWEEP_INTERVAL = 1.0
 #: how long after a holder's lease would run out the sweeper looks at its key
 RESUME_GRACE = 0.5
+#: how long after a started run's lease would run out the sweeper looks whether it was lost
+LOST_RUN_GRACE = 1.0
 #: after revoking a superseded run, when to look again (and revoke again if it still holds its key)
 REVOKE_AGAIN = 5.0
+#: how long a key remembers the handoff tokens of the parked runs that took their slot: another
+#: copy of such a run's message (sent again by ``fail_closed``, or by a sweeper whose reservation
+#: ran out meanwhile) is dropped, not run a second time
+ADOPTED_KEEP = 3600.0
 #: how long the book of a key's newest pending run outlives its last change
 NEWEST_KEEP = 86_400.0
 #: how long the order book of a key outlives its last change
 ORDER_KEEP = 86_400.0
 #: how many skipped sequence numbers an order book remembers (a late arrival of one runs by arrival)
 SKIPPED_KEPT = 32
+#: how often a worker drops from its journal the runs that no longer wait in Redis
+JOURNAL_COMPACT = 5.0
+#: how many sweeps a recovered run's send may fail before it ends FAILURE (``WaitingLost``)
+RECOVER_ATTEMPTS = 3
 
 # -- duplicates that wait: retry, hold() ----------------------------------------------------
 
@@ -78,6 +93,26 @@ DEBOUNCE_LEADER_EARLY = 0.005
 RATE_GRANT_KEEP = 60.0
 #: a re-sent rate-limited run that arrives this early still starts
 RATE_EARLY_ALLOWANCE = 0.002
+#: a rate-limited run that comes this long after its cell (or one interval, if longer) takes a new
+#: cell: runs held up by a dead worker or an outage must not all start at once
+RATE_LATE = 1.0
+#: a delayed run whose countdown message has not started this long after its due time (the
+#: worker holding that message died) is sent again from its copy in Redis by a sweeper
+DELAYED_GRACE = 1.0
+#: how long a delayed run's copy in Redis outlives its due time: a copy the sweeper sent again is
+#: kept as long as the first message may still come back (the Redis broker's visibility timeout:
+#: an hour by default, 12 h where long countdowns are used), so that the two never both run
+DELAYED_KEEP = 86_400.0
+#: a delayed run whose message a live worker holds (received, not started: the worker is busy) is
+#: looked at again this often; a copy is sent only once no worker holding one is alive
+DELAYED_RECHECK = 2.0
+#: how many tokens of a delayed run's earlier delays its entry remembers (their messages are stale)
+DELAYED_OLD_KEPT = 8
+#: a worker whose sweeper has not said it is alive for this long is gone (its sweep runs each second)
+WORKER_GONE_AFTER = 3.0
+#: a delayed run no worker noted receiving (its message waits in the broker, or the worker died
+#: before noting it) gets its copy sent this long after its due time
+DELAYED_UNSEEN_GRACE = 30.0
 
 # -- Redis connections ----------------------------------------------------------------------
 
@@ -110,6 +145,7 @@ def _ms(seconds: float) -> int:
 #: the numbers the Lua scripts use, by the name they use (milliseconds, or counts)
 LUA_CONSTANTS: dict[str, int] = {
     "SETTLE_KEEP_MS": _ms(SETTLE_KEEP),
+    "ADOPTED_KEEP_MS": _ms(ADOPTED_KEEP),
     "LOST_KEPT": LOST_KEPT,
     "NEWEST_KEEP_MS": _ms(NEWEST_KEEP),
     "ORDER_KEEP_MS": _ms(ORDER_KEEP),
@@ -118,4 +154,10 @@ LUA_CONSTANTS: dict[str, int] = {
     "DEBOUNCE_CLOSED_KEEP_MS": _ms(DEBOUNCE_CLOSED_KEEP),
     "DEBOUNCE_LEADER_EARLY_MS": _ms(DEBOUNCE_LEADER_EARLY),
     "RATE_GRANT_KEEP_US": round(RATE_GRANT_KEEP * 1_000_000),
+    "RATE_LATE_US": round(RATE_LATE * 1_000_000),
+    "DELAYED_GRACE_MS": _ms(DELAYED_GRACE),
+    "DELAYED_KEEP_MS": _ms(DELAYED_KEEP),
+    "DELAYED_RECHECK_MS": _ms(DELAYED_RECHECK),
+    "DELAYED_OLD_KEPT": DELAYED_OLD_KEPT,
+    "DELAYED_UNSEEN_GRACE_MS": _ms(DELAYED_UNSEEN_GRACE),
 }

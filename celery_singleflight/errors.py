@@ -12,6 +12,8 @@
     ├── ProgressError           (a progress() call with bad values; also a ValueError)
     ├── ProtocolMismatch        (a key's record was written by another protocol version)
     ├── RedisUnavailable        (Redis could not be reached and the task failed closed)
+    ├── RunLost                 (a run that waited, then started, was lost with its worker)
+    ├── WaitingLost             (a waiting run lost with the lease Redis's data, not sent again)
     └── Throttled               (the ``RETRY`` meta of a run over its key_rate_limit: not a failure)
 
 Celery serializes task exceptions as (type, module, args) and rebuilds them on the caller
@@ -30,10 +32,12 @@ __all__ = [
     "ProtocolMismatch",
     "QueueFull",
     "RedisUnavailable",
+    "RunLost",
     "SingleFlightError",
     "Throttled",
     "Superseded",
     "UnstableKeyError",
+    "WaitingLost",
 ]
 
 
@@ -157,6 +161,38 @@ class RedisUnavailable(SingleFlightError):
             f"Redis could not guard key {self.key!r} for {self.waited:.1f}s: {self.detail}. Nothing ran"
             " unguarded (fail_closed); check that Redis is reachable, has memory left and is a primary"
         )
+
+
+class RunLost(SingleFlightError):
+    """The result of run ``task_id`` on ``key``, lost with its whole worker (``worker``: Celery's
+    hostname): its lease ran out unreleased, and a sweeper set its result to FAILURE with this
+    error in place of the state it had waited in (``QUEUED``, ``DEBOUNCED``, ``RETRY``)."""
+
+    def __init__(self, key: str, task_id: str = "", worker: str = "") -> None:
+        super().__init__(key, task_id, worker)
+        self.key = key
+        self.task_id = task_id
+        self.worker = worker
+
+    def __str__(self) -> str:
+        return (f"task {self.task_id or '<unknown>'} on key {self.key!r} was lost with worker"
+                f" {self.worker or '<unknown>'}: its lease ran out unreleased")
+
+
+class WaitingLost(SingleFlightError):
+    """Run ``task_id`` waited in the lease Redis on ``key`` (``what``: how it waited, and why it
+    could not be sent again), and that Redis lost its data: the worker that parked it set its
+    result to FAILURE with this error instead of leaving it waiting forever."""
+
+    def __init__(self, key: str, task_id: str = "", what: str = "") -> None:
+        super().__init__(key, task_id, what)
+        self.key = key
+        self.task_id = task_id
+        self.what = what
+
+    def __str__(self) -> str:
+        return (f"task {self.task_id or '<unknown>'} waiting on key {self.key!r} was lost with the lease"
+                f" Redis's data" + (f": {self.what}" if self.what else ""))
 
 
 class Throttled(SingleFlightError):

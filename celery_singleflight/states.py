@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CUSTOM_STATES", "DEBOUNCED", "JOINED", "PROGRESS", "QUEUED", "SingleFlightMeta", "meta_of", "read",
+    "CUSTOM_STATES", "DEBOUNCED", "DELAYED_STATES", "JOINED", "PROGRESS", "QUEUED", "SingleFlightMeta",
+    "meta_of", "read",
 ]
 
 PROGRESS = "PROGRESS"
@@ -33,6 +34,8 @@ QUEUED = "QUEUED"
 JOINED = "JOINED"
 DEBOUNCED = "DEBOUNCED"
 CUSTOM_STATES = (PROGRESS, QUEUED, JOINED, DEBOUNCED)
+#: the states of a run the library delayed, until it runs (or is re-sent again)
+DELAYED_STATES = frozenset({DEBOUNCED, "RETRY"})
 
 
 @dataclass(frozen=True)

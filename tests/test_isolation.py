@@ -30,11 +30,12 @@ import redis
 from celery import Celery
 
 import celery_singleflight as sf
-from celery_singleflight import Lease, LockHeld, SingleFlightTask, hold
+from celery_singleflight import Lease, LockHeld, SingleFlightTask, constants, hold
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.ops.acl import LIBRARY_COMMANDS, key_patterns
 from celery_singleflight.ops.acl import acl_rule as rule_for
 from celery_singleflight.ops.status import StatusReader
+from celery_singleflight.protocol.delayed import ClaimReply
 from celery_singleflight.protocol.lease import ProgressReply
 from celery_singleflight.protocol.replies import Acquired, Held, Holder, Parked
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore, store_for
@@ -339,6 +340,20 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     late = store.acquire(key, (tok7 := token()), 5, Holder("run-7"), handoff="handoff-7")
     assert isinstance(late, Acquired) and store.handoff.queued(key) == 0
     assert store.release(key, tok7)
+    # another copy of its message (a re-send) does not run it again
+    copy = store.acquire(key, token(), 5, Holder("run-7"), handoff="handoff-7")
+    assert isinstance(copy, Held) and copy.copy
+
+    # a delayed run keeps a copy: noted as held by a worker, sent again once that worker is gone,
+    # claimed by the copy that starts first
+    store.delayed.delay(key, "run-8", "tok-8", '{"delayed": 8}', 0.01)
+    store.delayed.touch([(key, "run-8", "tok-8")], "gone@h")
+    time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
+    alive = store.delayed.alive("w1@h")
+    assert store.delayed.due() == [(key, "run-8")]
+    assert store.delayed.resend(key, "run-8", "sweep-8", alive) == ('{"delayed": 8}', {})
+    store.delayed.sent(key, "run-8")
+    assert store.delayed.claim(key, "run-8", "sweep-8") != ClaimReply.STALE
 
     # the sweeper hands the key of a dead holder to its parked run and answers its joined runs
     conv = "conv:7"
@@ -433,7 +448,8 @@ def test_a_tenant_user_with_the_minimal_acl_runs_everything(
     full_run(url, NS_A)
     assert denied(admin) == []
     written = names(admin)
-    assert written and all(n.startswith(f"{NS_A}:{{") or n == f"{NS_A}:waiting" for n in written)
+    indexes = {f"{NS_A}:waiting", f"{NS_A}:workers", f"{NS_A}:delays"}
+    assert written and all(n.startswith(f"{NS_A}:{{") or n in indexes for n in written), written
 
 
 def test_without_scan_everything_but_listing_works(acl_redis: RedisServer, admin: redis.Redis) -> None:
@@ -605,7 +621,7 @@ def test_a_real_worker_runs_with_the_tenant_acl(
         st = leases.read(key)
         assert st is not None and st.outcome == "succeeded", (key, st)
     written = names(admin)
-    outside = {"sf:waiting", "sf:protocol"}
+    outside = {"sf:waiting", "sf:started", "sf:epoch", "sf:protocol", "sf:delays", "sf:workers"}
     assert written and all(n.startswith("sf:{") or n in outside for n in written), written
     assert set(denied(admin)) <= {("sf-worker", "command", "config|get")}
     assert "no permissions" not in worker.log()

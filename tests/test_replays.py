@@ -9,6 +9,7 @@ replies; it cannot put an event between the two runs.)
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -23,7 +24,7 @@ from celery_singleflight.protocol.handoff import (
     SETTLED,
     JoinReply,
 )
-from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.replies import Acquired, Held, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.messages import rejoined
 from celery_singleflight.testing import RedisServer
@@ -123,3 +124,46 @@ def test_a_joined_run_sent_to_run_itself_joins_again(store: LeaseStore) -> None:
     again = rejoined(message)
     assert int(_join(store, "k", again)[0]) == JoinReply.JOINED
     assert store.client.lrange(store.layout.key(JOINED, "k"), 0, -1) == [again.encode()]
+
+
+def test_another_copy_of_a_parked_runs_message_does_not_run_it_again(store: LeaseStore) -> None:
+    """A parked run handed the key takes its slot and ends; another copy of its message (sent again
+    by ``fail_closed`` while Redis was away, or by a sweeper whose reservation ran out meanwhile)
+    finds the key free but is told it is a copy: it must not run a second time. A run of that
+    task id never parked (no handoff token) is not affected."""
+    holder = _token()
+    store.acquire("k", holder, 10, Holder("holder"))
+    assert store.handoff.park("k", "waiter", "h1", '{"m": "waiter"}', None) is not None
+    assert store.release("k", holder).handoff == '{"m": "waiter"}'
+    mine = _token()
+    assert isinstance(store.acquire("k", mine, 10, Holder("waiter"), handoff="h1"), Acquired)
+    store.release("k", mine)
+    again = store.acquire("k", _token(), 10, Holder("waiter"), handoff="h1")
+    assert isinstance(again, Held) and again.copy
+    assert isinstance(store.acquire("k", _token(), 10, Holder("waiter")), Acquired)
+
+
+def test_a_copy_of_a_parked_run_whose_lease_ran_out_runs_again(store: LeaseStore) -> None:
+    """As a redelivery (``acks_late``) of a run killed with its worker: a parked run took its slot,
+    then its lease ran out unreleased; another copy of its message takes the key and runs."""
+    holder = _token()
+    store.acquire("k2", holder, 10, Holder("holder"))
+    assert store.handoff.park("k2", "waiter", "h2", '{"m": "waiter"}', None) is not None
+    assert store.release("k2", holder).handoff == '{"m": "waiter"}'
+    assert isinstance(store.acquire("k2", _token(), 0.05, Holder("waiter"), handoff="h2"), Acquired)
+    time.sleep(0.1)  # its worker died: the lease runs out, nobody releases it
+    again = store.acquire("k2", _token(), 10, Holder("waiter"), handoff="h2")
+    assert isinstance(again, Acquired)
+
+
+def test_a_duplicate_that_hands_a_dead_holders_key_on_learns_who_died(store: LeaseStore) -> None:
+    """A holder's worker died with a run parked behind it; before the sweeper looks, a duplicate
+    finds the key free and hands it to the parked run: it is told whose run died there (task id,
+    worker, task name), so that it sets that run's result (FAILURE, RunLost)."""
+    assert isinstance(store.acquire("k3", _token(), 0.05, Holder("dead", "w1@h", "t.dead")), Acquired)
+    assert store.handoff.park("k3", "waiter", "h3", '{"m": "waiter"}', None) is not None
+    time.sleep(0.1)
+    got = store.acquire("k3", _token(), 10, Holder("newcomer"))
+    assert isinstance(got, Held) and got.handoff == '{"m": "waiter"}'
+    assert got.dead is not None and (got.dead.task_id, got.dead.worker, got.dead.task_name) == (
+        "dead", "w1@h", "t.dead")

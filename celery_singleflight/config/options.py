@@ -19,6 +19,7 @@ from ..policies.idempotency import IdempotencyOptions
 from ..policies.newest import NewestOptions
 from ..policies.ordering import OrderOptions
 from ..policies.ratelimit import RateOptions
+from ..policies.recovered import JournalOptions
 from .core import CoreOptions
 from .option import Option, OptionGroup, Resolving
 from .settings import check_settings
@@ -29,11 +30,11 @@ __all__ = ["GROUPS", "Options", "app_options", "declared", "resolve_options", "s
 #: every group of options, in the order of the configuration page
 GROUPS: tuple[type[OptionGroup], ...] = (CoreOptions, PolicyOptions, DuplicateOptions, NewestOptions,
                                          OrderOptions, IdempotencyOptions, EnqueueOptions, RateOptions,
-                                         DebounceOptions)
+                                         DebounceOptions, JournalOptions)
 
 
 class Options(CoreOptions, PolicyOptions, DuplicateOptions, NewestOptions, OrderOptions, IdempotencyOptions,
-              EnqueueOptions, RateOptions, DebounceOptions):
+              EnqueueOptions, RateOptions, DebounceOptions, JournalOptions):
     """The resolved, validated options of one task (or of an app, without a task's own)."""
 
     __slots__ = ()

@@ -23,11 +23,12 @@ LIBRARY_COMMANDS: tuple[str, ...] = (
     # inside the scripts (Redis checks the user's ACL there too); GET and SET also at top level for
     # the idempotency window and the run records, LLEN and TIME for status and the sweeper
     "del", "get", "hdel", "hexists", "hget", "hset", "llen", "lpos", "lpush", "lrange", "lrem",
-    "pexpire", "rpush", "set", "time", "xadd",
+    "pexpire", "pttl", "rpush", "set", "time", "xadd",
     # status, listing (SCAN ... TYPE string) and watching
     "scan", "xrange", "xread",
-    # the namespace's index of keys with parked or joined runs (the queue sweeper)
-    "zadd", "zrangebyscore", "zrem",
+    # the namespace's indexes of waiting and delayed runs, and of live workers (the sweeper); a
+    # key's parked runs that took their slot
+    "zadd", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
     # redis-py's health check
     "ping",
 )

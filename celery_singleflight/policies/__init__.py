@@ -2,6 +2,7 @@
 of duplicate policy.
 
 ==========================  =================================================================
+:mod:`.recovered`           a run sent again after the lease Redis lost data, unless it ran
 :mod:`.debounce`            a burst of calls becomes one run (before the key)
 :mod:`.newest`              ``coalesce`` and ``supersede``: newest wins
 :mod:`.idempotency`         a finished run remembered by its idempotency key
@@ -9,6 +10,7 @@ of duplicate policy.
 :mod:`.enqueue`             enqueue-time dedup
 :mod:`.ordering`            strict send order for ``queue``
 :mod:`.duplicates`          ``raise``, ``skip``, ``retry``, ``queue``, ``join``
+:mod:`.lostruns`            a run that waited, then was lost with its worker, ends FAILURE
 ==========================  =================================================================
 
 Each stage owns its options (declared once, in its module) and its hooks (:mod:`..run.stage`);
@@ -24,19 +26,23 @@ from ..errors import ConfigurationError
 from ..run.pipeline import Pipeline
 from ..run.stage import Stage
 from .debounce import Debouncing
+from .delayed import DelayedCopies
 from .duplicates import DuplicatePolicies
 from .enqueue import EnqueueDedup
 from .idempotency import Idempotency
+from .lostruns import LostRuns
 from .newest import Newest
 from .ordering import Ordering
 from .ratelimit import RateLimit
+from .recovered import Recovered
 
 __all__ = ["POLICY_NAMES", "STAGES", "PolicyOptions", "define_stages", "pipeline_for"]
 
-#: every stage, in the order a run passes them (the send side too: debounce decides first, the
+#: every stage, in the order a run passes them (a recovered run that ran already is dropped
+#: first, then a delayed run claims its copy; on the send side too: debounce decides first, the
 #: newest stamp comes before the enqueue marker, the sequence number is taken last)
-STAGES: tuple[type[Stage], ...] = (Debouncing, Newest, Idempotency, RateLimit, EnqueueDedup, Ordering,
-                                   DuplicatePolicies)
+STAGES: tuple[type[Stage], ...] = (Recovered, DelayedCopies, Debouncing, Newest, Idempotency, RateLimit,
+                                   EnqueueDedup, Ordering, DuplicatePolicies, LostRuns)
 #: every ``on_duplicate`` policy, by name
 POLICY_NAMES: tuple[str, ...] = (*DuplicatePolicies.POLICIES, *Newest.POLICY_NAMES)
 

@@ -46,9 +46,10 @@ from ..config.option import Option, OptionGroup, anything
 from ..errors import ConfigurationError
 from ..keys import KeyFunction, compile_key
 from ..protocol.store import LeaseStore
-from ..protocol.timing import ACL_COMMANDS, DebounceState, DueReply
+from ..protocol.timing import ACL_COMMANDS, DebounceState, DelayedCopy, DueReply
+from ..run.delay import copy_message, delay_again, delayed_header
 from ..run.events import send_task_event
-from ..run.messages import header, send_again
+from ..run.messages import HEADER_DELAYED, HEADER_SENT, header
 from ..run.stage import Ended, Run, Send, Stage
 from ..states import DEBOUNCED
 
@@ -159,27 +160,48 @@ def parse_debounce(cls: Any, where: str, signature: Any, name: str) -> Debounce 
     return Debounce(seconds, max_wait, keep, render)
 
 
+def _payload(args: Any, kwargs: Any) -> str:
+    payload: str = dumps({"args": list(args or ()), "kwargs": dict(kwargs or {})})  # type: ignore[no-untyped-call]
+    return payload
+
+
+def _sent(headers: Any) -> float | None:
+    """When a call was sent (epoch seconds), from its stamp header, if it has one."""
+    stamp = headers.get(HEADER_SENT) if isinstance(headers, dict) else header(headers, HEADER_SENT)
+    return int(stamp) / 1e9 if stamp else None
+
+
 def record(
-    store: LeaseStore, key: str, task_id: str, deb: Debounce, args: Any, kwargs: Any
+    store: LeaseStore, key: str, task_id: str, deb: Debounce, args: Any, kwargs: Any,
+    copy: DelayedCopy | None = None, sent: float | None = None, wait: float | None = None,
 ) -> tuple[str, float]:
-    """One round trip: record a call; (its burst's leader, seconds until the burst's run is due)."""
-    payload = dumps({"args": list(args or ()), "kwargs": dict(kwargs or {})})  # type: ignore[no-untyped-call]
-    return store.timing.record_call(key, task_id, deb.wait, deb.max_wait, deb.keep, payload)
+    """One round trip: record a call (and keep ``copy``, its message; ``sent``: when it was
+    sent; ``wait``: the quiet it waits for, if not ``deb.wait``); (its burst's leader, seconds
+    until the burst's run is due)."""
+    return store.timing.record_call(key, task_id, deb.wait if wait is None else wait, deb.max_wait, deb.keep,
+                                    _payload(args, kwargs), copy, sent)
 
 
 def send(task: Any, store: LeaseStore, key: str, deb: Debounce, args: Any, kwargs: Any, new_id: str,
-         publish: Callable[[str, float | None, dict[str, Any]], Any]) -> Any:
+         publish: Callable[[str, float | None, dict[str, Any]], Any], message: str | None = None,
+         sent: float | None = None) -> Any:
     """Record the call and publish its message with the countdown to its burst's run (the
     leader) or that plus the grace (any other call: it stands by in case the leader is lost).
-    If Redis cannot record it, the message goes without the header and is recorded when it comes."""
+    ``message``: the call's message, kept in Redis in the same round trip, in case the worker
+    holding the countdown message dies (:mod:`..run.delay`). If Redis cannot record it, the
+    message goes without the headers and is recorded when it comes."""
+    copy = None if message is None else DelayedCopy(uuid.uuid4().hex, message, HEADER_LEADER)
     try:
-        leader, wait = record(store, key, new_id, deb, args, kwargs)
+        leader, wait = record(store, key, new_id, deb, args, kwargs, copy, sent)
     except redis.RedisError as exc:
         log.warning("%s key=%r: could not record the debounced call (it is recorded when it runs): %s",
                     task.name, key, exc)
         return publish(new_id, None, {})
     countdown = wait if leader == new_id else wait + constants.DEBOUNCE_GRACE
-    return publish(new_id, countdown, {HEADER_LEADER: leader})
+    headers = {HEADER_LEADER: leader}
+    if copy is not None:
+        headers[HEADER_DELAYED] = delayed_header(copy.token, key)
+    return publish(new_id, countdown, headers)
 
 
 def _resend(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown: float, leader: str,
@@ -190,7 +212,7 @@ def _resend(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown:
     meta: dict[str, Any] = {"key": key, "leader": leader, "calls": calls, "planned": round(planned, 3)}
     if not (request.ignore_result or task.ignore_result):
         task.backend.store_result(task_id, meta, DEBOUNCED)
-    send_again(task, args, kwargs, countdown, **{HEADER_LEADER: leader})
+    delay_again(task, args, kwargs, countdown, key, **{HEADER_LEADER: leader})
     send_task_event(task.app, "task-debounced", request.hostname, uuid=task_id, **meta)
 
 
@@ -202,7 +224,8 @@ def on_due(task: Any, store: LeaseStore, key: str, deb: Debounce, args: tuple[An
     task_id = request.id or ""
     leader = str(header(request, HEADER_LEADER) or "")
     token = uuid.uuid4().hex  # this execution's: a replay of the script carries it, a second delivery not
-    due = store.timing.due(key, task_id, leader, token)
+    sent = _sent(request)
+    due = store.timing.due(key, task_id, leader, token, sent, _payload(args, kwargs), deb.keep, deb.wait)
     if due.kind == DueReply.RUN:
         payload = loads(due.payload)  # type: ignore[no-untyped-call]
         if not due.closed_here:
@@ -219,8 +242,12 @@ def on_due(task: Any, store: LeaseStore, key: str, deb: Debounce, args: tuple[An
     if due.kind == DueReply.WAIT:
         _resend(task, args, kwargs, due.wait, leader, key, due.calls, due.planned)
         raise Ignore()
-    # not recorded yet (sent by name, or the record at send failed): record it now
-    leader, wait = record(store, key, task_id, deb, args, kwargs)
+    # not recorded yet (sent by name, or the record at send failed), or its burst was lost with the
+    # Redis data (it names itself its leader): record it now; a burst recorded again waits a grace
+    # longer, so that the other calls of the lost burst, which come that much later, join it
+    again = leader == task_id
+    leader, wait = record(store, key, task_id, deb, args, kwargs, None, sent,
+                          deb.wait + constants.DEBOUNCE_GRACE if again else None)
     countdown = wait if leader == task_id else wait + constants.DEBOUNCE_GRACE
     _resend(task, args, kwargs, countdown, leader, key, 0, mod_time.time() + wait)
     raise Ignore()
@@ -255,6 +282,9 @@ class Debouncing(Stage):
         if call.task_id is not None or call.eager:
             return proceed(call)
 
+        if HEADER_SENT not in call.headers():  # a re-sent call keeps the time it was first sent
+            call.add_headers(**{HEADER_SENT: mod_time.time_ns()})
+
         def publish(new_id: str, countdown: float | None, headers: dict[str, Any]) -> Any:
             call.task_id = new_id
             if countdown is not None:
@@ -264,8 +294,10 @@ class Debouncing(Stage):
             return call.publish(call)
 
         key = call.key if self.deb.render is None else self.key_for(call.task, call.args, call.kwargs)
-        return send(call.task, call.task.store, key, self.deb, call.args, call.kwargs, str(uuid.uuid4()),
-                    publish)
+        new_id = str(uuid.uuid4())
+        message = copy_message(call.task, new_id, call.args, call.kwargs, call.options)
+        return send(call.task, call.task.store, key, self.deb, call.args, call.kwargs, new_id, publish,
+                    message, _sent(call.headers()))
 
     def before_key(self, run: Run) -> Ended | None:
         if run.eager or header(run.request, HEADER_RAN):

@@ -32,8 +32,10 @@ from ..config.option import Derived, Option, OptionGroup, Resolving, count, flag
 from ..errors import ConfigurationError, LockHeld, QueueFull
 from ..protocol.handoff import OWN_COPY
 from ..protocol.replies import Held, Parked
+from ..run.delay import resend_delayed
 from ..run.guard import Guard
-from ..run.messages import HEADER_HANDOFF, header, message_of, resend, wait_state
+from ..run.journal import journal_waiting
+from ..run.messages import HEADER_HANDOFF, header, message_of, wait_state
 from ..run.stage import AGAIN, Run, Stage
 from ..states import JOINED, QUEUED
 
@@ -203,7 +205,7 @@ def retry_later(dup: Duplicate) -> Any:
         cap = min(wait, max(held.ttl_left, constants.RETRY_MIN_DELAY), left)
         delay = max(constants.RETRY_MIN_DELAY, random.uniform(cap / 2, cap) if opts.retry_jitter else cap)
         dup.report("retry", f"retry in {delay:.2f}s", logging.INFO)
-        resend(dup.task, dup.args, dup.kwargs, delay, first_seen, attempt + 1, error)
+        resend_delayed(dup.task, dup.args, dup.kwargs, delay, first_seen, attempt + 1, error, dup.key)
     dup.report("raised", f"gave up after {waited:.1f}s", logging.WARNING)
     dup.clear_marker()
     raise error
@@ -220,14 +222,16 @@ def park(dup: Duplicate) -> Any:
     held = dup.held
     handoff = uuid.uuid4().hex
     dup.store_state(QUEUED, {"key": dup.key, "holder": held.holder})
-    parked = dup.guard.store.handoff.park(dup.key, dup.task_id, handoff, dup.message(handoff),
-                                          opts.max_queued, opts.max_concurrency)
+    message = dup.message(handoff)
+    parked = dup.guard.store.handoff.park(dup.key, dup.task_id, handoff, message, opts.max_queued,
+                                          opts.max_concurrency)
     if parked is None:
         return AGAIN  # runs now: its own result replaces QUEUED
     if not isinstance(parked, Parked):
         dup.report("queue-full", f"queue full ({parked} waiting)", logging.WARNING)
         dup.clear_marker()
         raise QueueFull(dup.key, held.holder, held.ttl_left, parked)
+    journal_waiting(dup.task, dup.key, message, "park")
     dup.report("queued", f"queued at position {parked.position}", logging.INFO)
     raise Ignore()
 
@@ -239,9 +243,11 @@ def join(dup: Duplicate) -> Any:
     answer it at any moment, and a ``JOINED`` written after that answer would replace it for good
     (found by benchmarks/bench_contended.py: 1 to 8 of 2,000 duplicates stayed ``JOINED``)."""
     dup.task.backend.store_result(dup.task_id, {"key": dup.key, "holder": dup.held.holder}, JOINED)
-    joined = dup.guard.store.handoff.join(dup.key, message_of(dup.task, dup.args, dup.kwargs))
+    message = message_of(dup.task, dup.args, dup.kwargs)
+    joined = dup.guard.store.handoff.join(dup.key, message)
     if joined is None:
         return AGAIN  # runs now: its own result replaces JOINED
+    journal_waiting(dup.task, dup.key, message, "join")
     dup.report("joined", f"joined ({joined[0]} waiting for its result)", logging.INFO)
     dup.clear_marker()
     raise Ignore()

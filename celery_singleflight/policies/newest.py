@@ -32,6 +32,7 @@ from ..config.option import Option, OptionGroup, Resolving, choice, seconds, sig
 from ..errors import ConfigurationError, Superseded
 from ..protocol.store import LeaseStore
 from ..run.guard import HOLD_SENDER, options_store
+from ..run.journal import journal_waiting
 from ..run.messages import HEADER_SENT, header
 from ..run.settle import answer_joined
 from ..run.stage import AGAIN, Ended, Run, Send, Stage, Sweep
@@ -110,10 +111,14 @@ def _pending(dup: Duplicate, mode: str) -> tuple[str, ...] | str | None:
     handoff = uuid.uuid4().hex
     dup.store_state(QUEUED, {"key": dup.key, "holder": dup.held.holder})
     stamp = str(header(task.request, HEADER_SENT) or "")
-    return dup.guard.store.newest.coalesce(
-        dup.key, dup.task_id, handoff, dup.message(handoff), mode, stamp, opts.max_concurrency,
+    message = dup.message(handoff)
+    got = dup.guard.store.newest.coalesce(
+        dup.key, dup.task_id, handoff, message, mode, stamp, opts.max_concurrency,
         supersede_grace=opts.supersede_grace, supersede_signal=opts.supersede_signal,
     )
+    if isinstance(got, tuple):  # it is the pending run now
+        journal_waiting(task, dup.key, message, "pending")
+    return got
 
 
 def coalesce(dup: Duplicate) -> Any:

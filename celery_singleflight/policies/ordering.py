@@ -32,6 +32,7 @@ from ..errors import ConfigurationError
 from ..protocol.order import GateReply
 from ..protocol.store import LeaseStore
 from ..run.guard import options_store
+from ..run.journal import journal_waiting
 from ..run.messages import HEADER_EARLIER, HEADER_HANDOFF, HEADER_SEQ, header, message_of
 from ..run.settle import send_parked
 from ..run.stage import Ended, Run, Send, Stage, Sweep
@@ -110,6 +111,7 @@ def pass_gate(task: Any, store: LeaseStore, key: str, args: tuple[Any, ...], kwa
     if code == GateReply.GO:
         return Gate(task.app, store, key, int(seq), delivery)
     if code == GateReply.WAIT:
+        journal_waiting(task, key, message, "order")
         log.info("%s[%s] #%s waits for its turn on key=%r", task.name, request.id, seq, key)
         raise Ignore()
     if code == GateReply.LATE:

@@ -9,7 +9,8 @@ seconds holds at most ``rate * W + burst`` planned starts.
 
 A run over the limit is not refused: the script *reserves* the next free cell for it and answers
 its planned start; the run is re-sent with that countdown (its message, the same task id, without
-spending ``max_retries``) and ends as ``RETRY``; its meta is a :class:`~.errors.Throttled` (Celery
+spending ``max_retries``; a copy waits in Redis in case the worker holding it dies:
+:mod:`..run.delay`) and ends as ``RETRY``; its meta is a :class:`~.errors.Throttled` (Celery
 keeps an exception in ``RETRY``), whose ``.throttled`` is ``{"key", "limit", "planned", "wait"}``. When it
 comes back, its reservation is found and it starts. A crashed run needs no release: a cell is a
 point in time, not a token held, so the most a lost message wastes is its one cell.
@@ -36,8 +37,8 @@ from ..config.option import Option, OptionGroup, anything
 from ..errors import ConfigurationError, Throttled
 from ..protocol.store import LeaseStore
 from ..protocol.timing import ACL_COMMANDS
+from ..run.delay import delay_again
 from ..run.events import send_task_event
-from ..run.messages import send_again
 from ..run.stage import Ended, Run, Stage
 
 __all__ = ["PLANNED_ATTR", "Rate", "RateLimit", "RateOptions", "Slot", "admit", "parse_rate",
@@ -155,7 +156,7 @@ def admit(task: Any, store: LeaseStore, key: str, rate: Rate, args: tuple[Any, .
     # the state first: once sent, the run may start and store its own result at any moment
     if not (request.ignore_result or task.ignore_result):
         task.backend.store_result(task_id, meta, "RETRY")
-    send_again(task, args, kwargs, slot.wait)
+    delay_again(task, args, kwargs, slot.wait, key)
     send_task_event(task.app, "task-retried", request.hostname, uuid=task_id, exception=repr(meta),
                     traceback="", timestamp=mod_time.time())
     raise Ignore()

@@ -30,9 +30,9 @@ from .marks import ENQUEUED
 from .replies import Parked, Settlement
 
 __all__ = [
-    "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME", "SCRIPTS",
-    "SETTLED",
-    "WAITING", "ForceReleaseReply", "HandoffCalls", "HandoffFields", "JoinReply", "ParkReply", "ResumeReply",
+    "ADOPTED", "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME",
+    "SCRIPTS", "SETTLED", "WAITING", "ForceReleaseReply", "HandoffCalls", "HandoffFields", "JoinReply",
+    "ParkReply", "ResumeReply",
 ]
 
 #: handoff token prefix of the copy a turned-away redelivery parks behind its own run
@@ -47,9 +47,12 @@ JOINED = Part("joined", "list of messages", "none",
               "the `join` policy: runs waiting for the holder's result")
 SETTLED = Part("settled", "hash: token → joined messages", duration(constants.SETTLE_KEEP),
                "joined runs handed to a release, for its replay")
+ADOPTED = Part("adopted", "sorted set: handoff token → when its run took its slot (ms)",
+               f"{duration(constants.ADOPTED_KEEP)} after its last change",
+               "parked runs that took their slot: another copy of such a run's message is dropped")
 WAITING = Part("waiting", "sorted set: key → when to look (ms)", "none",
                "keys with parked or joined runs, for the sweeper", index=True)
-PARTS = (QUEUE, PARKED, JOINED, SETTLED)
+PARTS = (QUEUE, PARKED, JOINED, SETTLED, ADOPTED)
 
 
 class HandoffFields(RecordBase):
@@ -59,7 +62,7 @@ class HandoffFields(RecordBase):
 
     reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
                      writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
-                     readers=("ops.keystatus", "policies.newest"))
+                     readers=("ops.keystatus", "run.lost", "policies.newest", "protocol.started"))
     by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
                " the same",
                writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
@@ -184,6 +187,16 @@ class HandoffCalls(Feature):
         raw: list[Any] = self.ctx.client.zrangebyscore(self.ctx.layout.index(WAITING), "-inf", due_ms(0),
                                                        start=0, num=limit)
         return [text(k) for k in raw]
+
+    def mark_adopted(self, key: str, handoff: str, fence: int) -> None:
+        """A run sent again after Redis lost its data took ``key`` with ``fence``: its earlier
+        hand-off message (token ``handoff``), if still on its way, is then a copy (ACQUIRE answers
+        ADOPTED) and does not run it again."""
+        name = self.ctx.layout.key(ADOPTED, key)
+        pipe = self.ctx.client.pipeline(transaction=False)
+        pipe.zadd(name, {handoff: fence})
+        pipe.pexpire(name, ms(constants.ADOPTED_KEEP))
+        pipe.execute()
 
     def queued(self, key: str) -> int:
         """How many runs wait in the key's queue."""

@@ -25,14 +25,14 @@ from typing import Any, Protocol
 
 from .. import constants
 from ..connection.cluster import call_per_slot, slot_of
-from .context import Context, Feature, ms, text
+from .context import Context, Feature, ms, text, texts
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
-from .handoff import JOINED, OWN_COPY, PARKED, QUEUE, SETTLED
+from .handoff import ADOPTED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED
 from .layout import Layout
 from .lua import Replies, Script
 from .marks import ENQUEUED
 from .newest import NEWEST_PATTERNS, NEWEST_TEMPLATES, ProgressNotice, RenewNotice
-from .replies import Acquired, Held, Holder, Settlement
+from .replies import Acquired, DeadHolder, Held, Holder, Settlement
 
 __all__ = [
     "ACQUIRE", "ACQUIRE_CALL", "LUA", "PROGRESS", "RELEASE", "RELEASE_CALL", "RENEW", "REVISE_OUTCOME",
@@ -74,8 +74,10 @@ class AcquireReply(Replies):
     """ACQUIRE's answers besides ``'fence:since ms:slot'`` (the key is this run's)."""
 
     HELD = 0, "{HELD, holder task id, lease ms left}: every slot is held (the holder whose lease ends first)"
-    HANDED_ON = 2, ("{HANDED_ON, its task id, reservation ms, message}: a slot was free but handed to the "
-                    "first parked run, whose message the caller sends")
+    HANDED_ON = 2, ("{HANDED_ON, its task id, reservation ms, message, dead task id, its worker, its task"
+                    " name}: a slot was free but handed to the first parked run, whose message the caller"
+                    " sends (and whose dead holder's run it ends, if any)")
+    ADOPTED = 3, "{ADOPTED}: this parked run took its slot before: this message is another copy of it"
 
 
 class ReleaseReply(Replies):
@@ -138,7 +140,7 @@ class RenewedLease(Protocol):
 class _Names:
     """The Redis key names of one lock, encoded once (every acquire and release names seven)."""
 
-    __slots__ = ("enqueued", "histories", "joined", "parked", "queue", "runs", "settled")
+    __slots__ = ("adopted", "enqueued", "histories", "joined", "parked", "queue", "runs", "settled")
 
     def __init__(self, layout: Layout, key: str, slots: int) -> None:
         self.runs = [layout.run(key, slot).encode() for slot in range(slots)]
@@ -148,6 +150,7 @@ class _Names:
         self.joined = layout.key(JOINED, key).encode()
         self.enqueued = layout.key(ENQUEUED, key).encode()
         self.settled = layout.key(SETTLED, key).encode()
+        self.adopted = layout.key(ADOPTED, key).encode()
 
 
 #: how many locks' key names are kept encoded (the hot keys of a worker; a few MB at most)
@@ -204,7 +207,7 @@ class LeaseCalls(Feature):
         keep = self.ctx.keep_ms
         call = (f"{token}\x1f{ttl_ms}\x1f{ttl_ms + keep}\x1f{handoff}\x1f{earlier}\x1f{keep}"
                 f"\x1f{holder.task_id}")
-        reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued],
+        reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued, names.adopted],
                               args=[call, holder.fields])
         if not isinstance(reply, list):  # acquired: one string, 'fence:since:slot'
             fence, since, slot = text(reply).split(":", 2)
@@ -212,8 +215,12 @@ class LeaseCalls(Feature):
         code = int(reply[0])
         if code == VersionReply.FOREIGN:
             refuse_foreign(key, reply)
+        if code == AcquireReply.ADOPTED:
+            return Held(holder=holder.task_id, ttl_left=0.0, copy=True)
         message = (text(reply[3]) or None) if code == AcquireReply.HANDED_ON else None
-        return Held(holder=text(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message)
+        dead = DeadHolder(*texts(reply[4:7])) if message and len(reply) >= 7 and text(reply[4]) else None
+        return Held(holder=text(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message,
+                    dead=dead)
 
     def renew(self, leases: Sequence[RenewedLease]) -> list[int]:
         """Renew any number of leases in one round trip: per lease a code, :class:`RenewReply`

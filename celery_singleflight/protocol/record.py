@@ -43,15 +43,17 @@ class LeaseFields(RecordBase):
     token = Field(TEXT, "the lease's owner token (or the parked run's the slot is reserved for); absent"
                   " once released", writers=_RECORD_WRITERS,
                   readers=("RENEW", "PROGRESS", "REVISE_OUTCOME", *_HELD_READERS, "ops.keystatus",
-                           "protocol.reads", "worker.bootstep"))
+                           "run.lost", "protocol.reads", "protocol.started", "worker.bootstep"))
     fence = Field(NUMBER, "the run's fencing token, larger than every earlier one of the key",
                   writers=_RECORD_WRITERS,
-                  readers=("PROGRESS", "NOTE_DUPLICATE", "ops.keystatus", "worker.bootstep"))
+                  readers=("PROGRESS", "NOTE_DUPLICATE", "ops.keystatus", "protocol.started",
+                            "worker.bootstep"))
     since = Field(MS, "when the run took the slot", writers=_RECORD_WRITERS,
                   readers=("ops.keystatus",))
     deadline = Field(MS, "when the lease runs out unless renewed; absent once released",
                      writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE"),
-                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "protocol.reads"))
+                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "run.lost",
+                              "protocol.reads", "protocol.started"))
     state = Field(TEXT, "running, the last progress state, handing-off, or the outcome",
                   writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
                   readers=("ops.keystatus",))
@@ -65,12 +67,13 @@ class LeaseFields(RecordBase):
                     writers=("RELEASE", "PROGRESS", "FORCE_RELEASE"), readers=("ops.keystatus",))
     task_id = Field(TEXT, "the holder's task id (a hold's holder id)", writers=_RECORD_WRITERS,
                     readers=("REVISE_OUTCOME", "PARK", "JOIN", "ENQUEUE_MARK", "COALESCE", "ops.keystatus",
-                             "policies.newest", "worker.bootstep", "worker.sweeper"))
+                             "run.lost", "policies.newest", "protocol.started", "worker.bootstep",
+                             "worker.sweeper"))
     task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); the holder fields come from"
                       " ``Holder.fields``", writers=("ACQUIRE",),
-                      readers=("ops.keystatus", "policies.newest"))
+                      readers=("ops.keystatus", "run.lost", "policies.newest"))
     worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
-                   readers=("ops.keystatus",))
+                   readers=("ops.keystatus", "run.lost"))
     host = Field(TEXT, "the holder's host", writers=("ACQUIRE",),
                  readers=("ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),
@@ -79,12 +82,13 @@ class LeaseFields(RecordBase):
                " joined) finds it and answers as before", writers=_RECORD_WRITERS,
                readers=("JOIN", "worker.bootstep", "worker.sweeper"))
     lost = Field(TEXT, "the fences of recent runs whose lease ran out unreleased: a late release learns"
-                 " it lost the key", writers=_RECORD_WRITERS, readers=())
+                 " it lost the key", writers=_RECORD_WRITERS, readers=("protocol.started",))
     prev_task_id = Field(TEXT, "who ran on the slot before this run", writers=_RECORD_WRITERS,
-                         readers=("REVISE_OUTCOME", "ops.keystatus", "worker.bootstep", "worker.sweeper"))
+                         readers=("REVISE_OUTCOME", "ops.keystatus", "protocol.started", "worker.bootstep",
+                                  "worker.sweeper"))
     prev_outcome = Field(TEXT, "how it ended (running, expired, or its outcome)",
                          writers=("ACQUIRE", "RELEASE", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
-                         readers=("ops.keystatus",))
+                         readers=("ops.keystatus", "protocol.started"))
     history = Field(TEXT, "``1`` once the run wrote to its history stream",
                     writers=("PROGRESS",), readers=("RELEASE", "RENEW", "FORCE_RELEASE", "NOTE_DUPLICATE"))
     progress = Field(JSON, "the last progress update",

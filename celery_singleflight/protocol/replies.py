@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
-__all__ = ["Acquired", "Held", "Holder", "Parked", "Settlement"]
+__all__ = ["Acquired", "DeadHolder", "Held", "Holder", "Parked", "Settlement"]
 
 _HOST = socket.gethostname()
 _PID = [os.getpid()]
@@ -64,6 +64,15 @@ class Acquired:
 
 
 @dataclass(frozen=True)
+class DeadHolder:
+    """A run whose lease ran out unreleased (its worker died): its task id, worker, task name."""
+
+    task_id: str
+    worker: str
+    task_name: str
+
+
+@dataclass(frozen=True)
 class Held:
     """Someone else holds the key: their task id and the lease time they have left.
 
@@ -74,6 +83,8 @@ class Held:
     holder: str
     ttl_left: float
     handoff: str | None = None
+    copy: bool = False  # another copy of a parked run's message, whose run took its slot before
+    dead: DeadHolder | None = None  # with ``handoff``: the run that died holding the slot handed on
     acquired = False
 
 

@@ -16,8 +16,10 @@ from typing import Any
 from .. import constants
 from ..connection.clients import redis_client
 from ..connection.targets import RedisTarget
-from . import fences, handoff, lease, marks, newest, order, timing
+from . import delayed, epoch, fences, handoff, lease, marks, newest, order, started, timing
 from .context import Context, ms
+from .delayed import DelayedCalls
+from .epoch import EpochCalls
 from .handoff import HandoffCalls
 from .layout import HISTORY, RUN, Layout, Part, parts_table
 from .lease import LeaseCalls, RenewedLease
@@ -28,6 +30,7 @@ from .order import OrderCalls
 from .reads import RunReads
 from .record import RunRecord
 from .server import MARK
+from .started import StartedCalls
 from .timing import TimeCalls
 
 __all__ = ["INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout", "LeaseStore", "keys_table",
@@ -35,12 +38,13 @@ __all__ = ["INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout", "LeaseSto
 
 #: every Redis key of one lock (``<ns>:{<key>}:<name>``), in the order of the docs' table
 PARTS: tuple[Part, ...] = (RUN, HISTORY, *handoff.PARTS, marks.ENQUEUED, *newest.PARTS, *order.PARTS,
-                           marks.DONE, *timing.PARTS)
+                           marks.DONE, *timing.PARTS, delayed.DELAYED, delayed.DELAYED_ENDS)
 #: the keys of a whole namespace (``<ns>:<name>``), outside any lock's hash slot
-INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING, MARK)
+INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING, delayed.DELAYED_DUE,
+                             delayed.WORKERS, started.STARTED, epoch.EPOCH_KEY, MARK)
 #: every script the library runs on the lease Redis (the worker's start loads them all)
 SCRIPTS: tuple[Script, ...] = (*lease.SCRIPTS, *handoff.SCRIPTS, *marks.SCRIPTS, *newest.SCRIPTS,
-                               *order.SCRIPTS, *timing.SCRIPTS)
+                               *order.SCRIPTS, *timing.SCRIPTS, *delayed.SCRIPTS, *epoch.SCRIPTS)
 #: and the one it runs on the user's Redis (``fencing.fenced_set``)
 USER_SCRIPTS: tuple[Script, ...] = fences.SCRIPTS
 
@@ -94,6 +98,9 @@ class LeaseStore:
         self.order = OrderCalls(ctx)
         self.marks = MarkCalls(ctx)
         self.timing = TimeCalls(ctx)
+        self.delayed = DelayedCalls(ctx)
+        self.started = StartedCalls(ctx)
+        self.epoch = EpochCalls(ctx)
         self.reads = RunReads(ctx)
         # the lease's own calls, one attribute lookup shorter (every run makes two of them)
         self.acquire = self.lease.acquire

@@ -17,18 +17,20 @@ from typing import Any, NamedTuple
 
 from .. import constants
 from .context import Feature, ms, text
+from .delayed import DelayedCalls
 from .layout import Part, duration
 from .lua import Replies, Script
 
 __all__ = [
     "ACL_COMMANDS", "BURST", "CLOSED_BURST", "DEBOUNCE_CALL", "DEBOUNCE_DUE", "PARTS", "PLANNED", "RATE",
     "RATE_STATE", "SCRIPTS",
-    "DebounceState", "Due", "DueReply", "RateState", "TimeCalls", "parse_burst", "parse_rate_state",
+    "DebounceState", "DelayedCopy", "Due", "DueReply", "RateState", "TimeCalls", "parse_burst",
+    "parse_rate_state",
 ]
 
 RATE_STATE = Part("rate", "string: `<TAT> <interval> <tolerance>` (µs)", "until the TAT",
                   "`key_rate_limit`: the GCRA state")
-PLANNED = Part("planned", "sorted set: task id:retries → planned start (µs)",
+PLANNED = Part("planned", "sorted set: task id:retries → planned start (µs; `.25` once taken again, late)",
                f"{duration(constants.RATE_GRANT_KEEP)} after the last planned start",
                "`key_rate_limit`: the cells granted, so a re-sent run or a replay gets its own again")
 BURST = Part("debounce", "hash: leader, first, last, due, count, payload, `c:<task id>`",
@@ -39,9 +41,9 @@ CLOSED_BURST = Part("debounced", "hash: the last closed burst, with `ran`",
                     "`debounce`: who ran the last burst, for replays and late calls")
 PARTS = (RATE_STATE, PLANNED, BURST, CLOSED_BURST)
 #: the Redis commands the time policies use besides the library's own (an ACL rule must allow
-#: them): a burst is read with HMGET and closed with RENAME (within its key's hash slot), the rate
-#: limit prunes and looks up its granted cells, and the state's readers count the planned ones
-ACL_COMMANDS: tuple[str, ...] = ("hmget", "rename", "zremrangebyscore", "zscore", "zcount")
+#: them): a burst is read with HMGET, joined again with HSETNX and HINCRBY (after Redis lost it),
+#: closed with RENAME (within its key's hash slot); the state's readers count the planned cells
+ACL_COMMANDS: tuple[str, ...] = ("hmget", "hsetnx", "hincrby", "rename", "zcount")
 
 
 class DueReply(Replies):
@@ -53,7 +55,8 @@ class DueReply(Replies):
 
 
 _LUA = dict(constants.LUA_CONSTANTS)
-DEBOUNCE_CALL = Script("DEBOUNCE_CALL", "time/debounce_call.lua", ("time/time.lua",), constants=_LUA)
+DEBOUNCE_CALL = Script("DEBOUNCE_CALL", "time/debounce_call.lua", ("time/time.lua", "delayed/delayed.lua"),
+                       constants=_LUA)
 DEBOUNCE_DUE = Script("DEBOUNCE_DUE", "time/debounce_due.lua", ("time/time.lua",), replies=(DueReply,),
                       constants=_LUA)
 RATE = Script("RATE", "time/rate.lua", constants=_LUA)
@@ -76,6 +79,16 @@ class RateState:
     next_free: float  # epoch seconds: when a new run would start
     planned: int  # runs with a cell planned in the future (throttled, waiting)
     per_second: float  # the limit, in runs a second
+
+
+@dataclass(frozen=True)
+class DelayedCopy:
+    """The copy of a debounced call's message to keep (:mod:`.delayed`): the token its countdown
+    message carries, the message, and the header that names its burst's leader."""
+
+    token: str
+    message: str
+    header: str
 
 
 @dataclass(frozen=True)
@@ -111,21 +124,38 @@ class TimeCalls(Feature):
     __slots__ = ()
 
     def record_call(self, key: str, task_id: str, wait: float, max_wait: float | None, keep: str,
-                    payload: str) -> tuple[str, float]:
-        """Record a call in its burst: (the burst's leader, seconds until the burst's run is due)."""
+                    payload: str, copy: DelayedCopy | None = None,
+                    sent: float | None = None) -> tuple[str, float]:
+        """Record a call in its burst: (the burst's leader, seconds until the burst's run is due).
+        With ``copy``, also keep a copy of the call's message (protocol/delayed.py), due when
+        its countdown message is, in the same round trip. ``sent``: when the call was sent
+        (epoch seconds), if known."""
         layout = self.ctx.layout
-        leader, wait_ms, _count = self.ctx.script(DEBOUNCE_CALL)(
-            keys=[layout.key(BURST, key), layout.key(CLOSED_BURST, key)],
-            args=[task_id, ms(wait), ms(max_wait) if max_wait else 0, keep, payload],
-        )
+        keys = [layout.key(BURST, key), layout.key(CLOSED_BURST, key)]
+        stamp = "" if sent is None else int(sent * 1000)
+        args: list[Any] = [task_id, ms(wait), ms(max_wait) if max_wait else 0, keep, payload]
+        if copy is None:
+            reply = self.ctx.script(DEBOUNCE_CALL)(keys=keys, args=[*args, "", "", "", stamp])
+        else:
+            delayed = DelayedCalls(self.ctx)
+            reply = delayed.with_index(
+                DEBOUNCE_CALL, [*keys, *delayed.keys(key)],
+                [*args, copy.token, copy.message, copy.header, stamp], key, task_id,
+                0.0 if max_wait else wait)
+        leader, wait_ms, _count = reply
         return text(leader), int(wait_ms) / 1000
 
-    def due(self, key: str, task_id: str, leader: str, token: str) -> Due:
+    def due(self, key: str, task_id: str, leader: str, token: str, sent: float | None = None,
+            payload: str = "", keep: str = "last", wait: float = 0.0) -> Due:
         """A call's message came due: decide (``token`` is this execution's, so a replay of the
-        same call is told from another delivery of the task id)."""
+        same call is told from another delivery of the task id; ``sent``: when the call was sent,
+        epoch seconds, if known; ``payload``, ``keep``: its arguments and ``debounce_keep``, for
+        a burst recorded again that does not know it, or to open again for its leader, due in
+        ``wait`` seconds; '': it is not recorded)."""
         layout = self.ctx.layout
+        stamp = "" if sent is None else int(sent * 1000)
         reply = self.ctx.script(DEBOUNCE_DUE)(keys=[layout.key(BURST, key), layout.key(CLOSED_BURST, key)],
-                                              args=[task_id, leader, token])
+                                              args=[task_id, leader, token, stamp, payload, keep, ms(wait)])
         kind = DueReply(int(reply[0]))
         if kind == DueReply.RUN:
             return Due(kind, text(reply[1]), int(reply[2]), closed_here=bool(int(reply[4])))

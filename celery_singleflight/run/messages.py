@@ -12,6 +12,8 @@ own ``max_retries``) and carries the library's headers:
 - :data:`HEADER_SENT`: when ``apply_async`` sent the run (nanoseconds, the sender's clock), put
   on by tasks whose policy needs "newest" (``coalesce``); a re-sent message keeps it;
 - :data:`HEADER_SEQ`: the per-key sequence number of an ``ordered=True`` send;
+- :data:`HEADER_DELAYED`: ``"<token> <key>"`` on a run the library delayed (a copy waits in
+  Redis, :mod:`..protocol.delayed`): the run claims it when it starts, so one copy runs;
 - :data:`HEADER_REJOIN`: put on a joined run that is sent to run itself (the run it joined was a
   ``hold()``, which has no result), so that if it joins again, its message differs from the one
   the hold's release took (a re-sent JOIN finds that one, and answers as its first run did).
@@ -29,6 +31,7 @@ from kombu.utils.json import dumps
 
 __all__ = [
     "HEADER_ATTEMPT",
+    "HEADER_DELAYED",
     "HEADER_EARLIER",
     "HEADER_FIRST_SEEN",
     "HEADER_HANDOFF",
@@ -50,6 +53,7 @@ HEADER_EARLIER = "singleflight_earlier"
 HEADER_SENT = "singleflight_sent"
 HEADER_SEQ = "singleflight_seq"
 HEADER_REJOIN = "singleflight_rejoin"
+HEADER_DELAYED = "singleflight_delayed"
 
 
 def header(request: Any, name: str) -> Any:

@@ -179,6 +179,10 @@ class Pipeline:
             if isinstance(got, Acquired):
                 run.got = got
                 return None
+            if got.copy:
+                log_duplicate.info("%s[%s] on key=%r: this run was handed the key before; this copy of its"
+                                   " message is dropped", run.task.name, run.task_id, run.key)
+                raise Ignore()
             if run.handoff and got.holder != run.task_id:
                 # a parked run whose turn has not come: its entry is still in the queue
                 log_duplicate.info("%s[%s] stays parked on key=%r behind %s", run.task.name, run.task_id,

@@ -10,7 +10,10 @@ runs it) and connects two receivers once per process; ``base=SingleFlightTask`` 
   in ``app.conf``), check the app as a whole (``join`` needs a result backend) and run the start
   checks against each lease Redis (:mod:`.preflight`).
   A refusal stops the worker with one sentence.
-- **Running**: the queue sweeper thread (:mod:`.sweeper`); stopped with the worker.
+- **Running**: the queue sweeper thread (:mod:`.sweeper`), with the copies of delayed runs
+  (:mod:`.copies`: ``task_received`` notes the delayed messages this worker holds) and the
+  recovery of this worker node's journal (:mod:`.recovery`), which need the node's name; stopped
+  with the worker.
 - **Ends that run no code in the child** (SIGKILL, hard time limit, ``revoke(terminate=True)``):
   the main process gets ``task_failure`` (``WorkerLostError``, ``TimeLimitExceeded``) or
   ``task_revoked(terminated=True)`` with the task's arguments, renders the key and releases it,
@@ -39,8 +42,10 @@ from ..errors import ConfigurationError, LeaseLost, SingleFlightError
 from ..run.events import send_task_event, set_worker_sends_task_events
 from ..run.lease import process_alive
 from ..run.settle import Ending, answer_orphaned_joined, settle
+from .copies import copy_sweeps, forget_revoked, note_received
 from .pools import check_pool
 from .preflight import run_at_worker_start
+from .recovery import recovery_sweeps
 from .registry import guarded_tasks, is_guarded
 from .sweeper import Sweeper, sweeps_for
 
@@ -61,6 +66,7 @@ def install(app: Any) -> None:
         app.steps["worker"].add(SingleFlightStep)
         celery_signals.task_failure.connect(_on_task_failure, weak=False, dispatch_uid="singleflight-failure")
         celery_signals.task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid="singleflight-revoked")
+        celery_signals.task_received.connect(note_received, weak=False, dispatch_uid="singleflight-received")
 
 
 def check_worker_app(app: Any) -> None:
@@ -96,7 +102,8 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
             raise SystemExit(f"celery_singleflight: {exc}") from exc
 
     def start(self, parent: Any) -> None:
-        jobs = sweeps_for(parent.app)
+        node = getattr(parent, "hostname", "")
+        jobs = [*sweeps_for(parent.app), *copy_sweeps(parent.app, node), *recovery_sweeps(parent.app, node)]
         if jobs:
             self.sweeper = Sweeper(parent.app, jobs).start()
 
@@ -190,6 +197,7 @@ def _on_task_revoked(
         if is_guarded(sender):
             _announce_revoked_state(sender, request, signum)
     forget_enqueued(sender, request)
+    forget_revoked(sender, request)
 
 
 def forget_enqueued(task: Any, request: Any) -> bool:

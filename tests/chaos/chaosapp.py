@@ -340,3 +340,82 @@ def soak_limited(self, key, seconds):
     with Run(f"{key}#slot{self.lease.slot}", "limited", self.lease.fence):
         time.sleep(seconds)
     return {"ran": True}
+
+
+# -- nothing waiting is lost: one task per policy (tests/chaos/test_nothing_lost.py) ----------------
+
+
+def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False) -> int:
+    """Record a run under its lock key (with its argument ``n``) and hold it ``seconds``; stop
+    (``LeaseLost``) as soon as the lease counts as lost, as a careful task does. A superseded run
+    goes on until it is revoked. ``per_slot``: each slot of a ``max_concurrency`` key is a key of
+    the recorder."""
+    lease = task.lease
+    run = Run(f"{lease.key}#slot{lease.slot}" if per_slot else lease.key, task.name, lease.fence)
+    run.info["n"] = str(n)
+    with run:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if lease.lost:
+                lease.check()
+            time.sleep(0.02)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_queue", lock_key="nl:q:<key>",
+          on_duplicate="queue")
+def nl_queue(self, key, n, seconds=0.1):
+    return _nl_body(self, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_ordered", lock_key="nl:o:<key>",
+          on_duplicate="queue", ordered=True, order_timeout=2)
+def nl_ordered(self, key, n, seconds=0.1):
+    return _nl_body(self, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_limited", lock_key="nl:m:<key>",
+          on_duplicate="queue", max_concurrency=2)
+def nl_limited(self, key, n, seconds=0.1):
+    return _nl_body(self, n, seconds, per_slot=True)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_coalesce", lock_key="nl:c:<key>",
+          on_duplicate="coalesce")
+def nl_coalesce(self, key, n, seconds=0.1):
+    return _nl_body(self, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_supersede", lock_key="nl:s:<key>",
+          on_duplicate="supersede", supersede_grace=2)
+def nl_supersede(self, key, n, seconds=0.1):
+    return _nl_body(self, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_debounce", lock_key="nl:d:<key>",
+          on_duplicate="queue", debounce=1, debounce_max_wait=3)
+def nl_debounce(self, key, n, seconds=0.1):
+    return _nl_body(self, n, seconds)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_rate", lock_key="nl:r:<key>", on_duplicate="queue",
+          key_rate_limit="4/s", max_concurrency=8)
+def nl_rate(self, key, n, seconds=0.05):
+    """Rate limited; 8 slots, so a long run does not hold the others back (only the rate does)."""
+    return _nl_body(self, n, seconds, per_slot=True)
+
+
+# -- the lease Redis loses its data (tests/chaos/test_redis_data_loss.py) -------------------------
+
+if os.environ.get("CHAOS_JOURNAL_DIR"):
+    app.conf.singleflight_journal_dir = os.environ["CHAOS_JOURNAL_DIR"]
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.queued_in_order", lock_key="co:<key>",
+          on_duplicate="queue", ordered=True)
+def queued_in_order(self, key, n, seconds=0.05, first_seconds=None):
+    """``queued`` with ``ordered=True``: runs start in send order."""
+    recorder.incr(f"bodies:{self.request.id}")
+    with Run(key, "queued_in_order", self.lease.fence):
+        time.sleep(first_seconds if first_seconds is not None else seconds)
+    return n

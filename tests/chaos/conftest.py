@@ -237,3 +237,18 @@ def interval_overlaps(all_runs: list[dict[str, Any]], deaths: dict[int, float] |
             if end > busy_until:
                 busy_until, busy_by = end, run["task_id"]
     return found
+
+
+def max_at_once(key_runs: list[dict[str, Any]], deaths: dict[int, float] | None = None) -> int:
+    """The most of ``key_runs`` alive at one instant (for a ``max_concurrency`` key, whose slots
+    the recorder keeps apart); a run without an end ends at its process's death, else never."""
+    deaths = deaths or {}
+    edges: list[tuple[float, int]] = []
+    for run in key_runs:
+        end = run["end"] if run["end"] is not None else deaths.get(int(run["pid"]), float("inf"))
+        edges += [(run["start"], 1), (end, -1)]
+    alive = most = 0
+    for _, step in sorted(edges):  # at a tie an end (-1) sorts before a start: touching is not overlapping
+        alive += step
+        most = max(most, alive)
+    return most

@@ -4,6 +4,7 @@ replaced, and the scripts are safe to run twice."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from types import ModuleType
@@ -11,8 +12,10 @@ from types import ModuleType
 import pytest
 
 from celery_singleflight import ConfigurationError, SingleFlightTask
-from celery_singleflight.policies.debounce import Debounce, is_debounced, record
+from celery_singleflight.policies.debounce import HEADER_LEADER, Debounce, is_debounced, record
 from celery_singleflight.protocol.store import store_for
+from celery_singleflight.protocol.timing import DueReply
+from celery_singleflight.run.messages import HEADER_SENT
 from celery_singleflight.testing import RedisServer
 
 from .conftest import starts
@@ -172,3 +175,83 @@ def test_a_debounce_key_of_its_own_groups_calls_apart_from_the_lock_key(
     assert all(is_debounced(r.get(timeout=15)) for r in results[1:])
     runs = starts(timeapp, "c1", "keyed")
     assert [r["payload"] for r in runs] == [{"n": 2, "lock": "acct:a2"}]
+
+
+def test_a_call_re_sent_after_later_bursts_ran_is_folded_not_run_again(
+    timeapp: ModuleType, debounce_queue: str
+) -> None:
+    """Given a call sent first (the leader of its burst) whose message comes back only after two
+    later bursts ran (a ``fail_closed`` re-send keeps its headers: the stamp and the leader it
+    names), then it ends debounced into the last burst's run instead of starting a burst of its
+    own with its older arguments."""
+    queue = debounce_queue
+    key = f"resent-{uuid.uuid4().hex[:6]}"
+    sent_first, old_id = time.time_ns(), str(uuid.uuid4())
+    for burst in (1, 2):
+        ran = timeapp.settled.apply_async((key, burst), queue=queue)
+        assert ran.get(timeout=15) == burst
+    late = timeapp.settled.apply_async(
+        (key, 0), queue=queue, task_id=old_id,
+        headers={HEADER_SENT: sent_first, HEADER_LEADER: old_id},
+    )
+    folded = late.get(timeout=15)
+    assert is_debounced(folded) and folded["into"] == ran.id
+    assert [r["payload"] for r in starts(timeapp, key, "settled")] == [1, 2]
+
+
+def test_a_burst_lost_with_the_redis_data_is_recorded_again_with_its_last_call(
+    redis_server: RedisServer,
+) -> None:
+    """Given a burst of calls a (its leader), b, c recorded at send, then the lease Redis loses its
+    data: the leader's message comes first, finds nothing and records the burst again, waiting a
+    grace longer; b and c, which come a grace after the old due time, join it (c, sent last, gives
+    the arguments, whatever order they come in); the burst then runs once, with c's."""
+    store = store_for(f"{redis_server.url}/2", f"db{uuid.uuid4().hex[:8]}")
+    deb = Debounce(0.2, None, "last", None)
+    sent = {name: 1000.0 + i for i, name in enumerate("abc")}
+    for name in "abc":
+        assert record(store, "k", name, deb, (name,), {}, sent=sent[name])[0] == "a"
+    store.client.delete(store.layout.debounce("k"))  # Redis lost it
+    first = store.timing.due("k", "a", "a", "t1", sent["a"], '{"args": ["a"], "kwargs": {}}')
+    assert first.kind == DueReply.UNKNOWN
+    assert record(store, "k", "a", deb, ("a",), {}, sent=sent["a"], wait=0.4)[0] == "a"
+    for name in "cb":  # in the other order than sent
+        payload = json.dumps({"args": [name], "kwargs": {}})
+        due = store.timing.due("k", name, "a", f"t-{name}", sent[name], payload)
+        assert due.kind == DueReply.WAIT
+    time.sleep(0.45)
+    ran = store.timing.due("k", "a", "a", "t2", sent["a"], '{"args": ["a"], "kwargs": {}}')
+    assert ran.kind == DueReply.RUN and json.loads(ran.payload)["args"] == ["c"] and ran.calls == 3
+    folded = store.timing.due("k", "b", "a", "t3", sent["b"], '{"args": ["b"], "kwargs": {}}')
+    assert folded.kind == DueReply.FOLDED and folded.into == "a"
+
+
+def test_a_lost_burst_is_opened_again_by_whichever_call_comes_first(
+    redis_server: RedisServer,
+) -> None:
+    """As above, but the other calls come before the leader (they were re-sent while Redis was
+    away): the first opens the burst again for the leader, the next joins it, and the leader's
+    message runs it with the arguments of the call sent last."""
+    store = store_for(f"{redis_server.url}/2", f"db{uuid.uuid4().hex[:8]}")
+    deb = Debounce(0.2, None, "last", None)
+    sent = {name: time.time() + i / 1000 for i, name in enumerate("abc")}
+    for name in "abc":
+        record(store, "k", name, deb, (name,), {}, sent=sent[name])
+    store.client.delete(store.layout.debounce("k"))  # Redis lost it
+    for name in "cb":
+        payload = json.dumps({"args": [name], "kwargs": {}})
+        due = store.timing.due("k", name, "a", f"t-{name}", sent[name], payload, "last", 0.2)
+        assert due.kind == DueReply.WAIT
+    time.sleep(0.25)
+    ran = store.timing.due("k", "a", "a", "t-a", sent["a"], '{"args": ["a"], "kwargs": {}}', "last", 0.2)
+    assert ran.kind == DueReply.RUN and json.loads(ran.payload)["args"] == ["c"]
+
+
+def test_a_call_whose_burst_ran_long_ago_is_folded_not_run_again(redis_server: RedisServer) -> None:
+    """A call of a burst that ran and was forgotten long ago (its message held up for more than
+    the closed burst is kept) is folded into its leader's run, not run again as a new burst."""
+    store = store_for(f"{redis_server.url}/2", f"db{uuid.uuid4().hex[:8]}")
+    old = time.time() - 700
+    due = store.timing.due("k", "x", "leader", "t-x", old, '{"args": ["x"], "kwargs": {}}', "last", 0.2)
+    assert due.kind == DueReply.FOLDED and due.into == "leader"
+    assert store.client.exists(store.layout.debounce("k")) == 0

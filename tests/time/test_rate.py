@@ -173,3 +173,23 @@ def test_a_lost_reply_of_the_rate_script_does_not_take_two_cells(redis_server: R
         assert redis_server.client(2).zcard(store.layout.planned("k")) == 1
         second = reserve(store, "k", rate, "call-2")
         assert second.planned - first.planned == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_run_late_by_more_than_a_second_takes_a_new_cell_once(redis_server: RedisServer) -> None:
+    """Given 4/s and two runs planned now and 0.25 s later, when both come back 1.3 s late (their
+    worker died, Redis was away), they do not start together: the first takes the next free cell
+    (now), the second the one after it. A run that comes late a second time keeps its new cell:
+    a worker that cannot keep up is not pushed back again and again."""
+    store = store_for(f"{redis_server.url}/2", f"rt{uuid.uuid4().hex[:8]}")
+    rate = parse_rate("t", "4/s")
+    assert rate is not None
+    first, second = reserve(store, "k", rate, "a:0"), reserve(store, "k", rate, "b:0")
+    assert second.planned - first.planned == pytest.approx(0.25, abs=0.002)
+    time.sleep(1.55)
+    again_a, again_b = reserve(store, "k", rate, "a:0"), reserve(store, "k", rate, "b:0")
+    assert again_a.fresh and again_b.fresh and again_a.wait == 0
+    assert again_b.planned - again_a.planned == pytest.approx(0.25, abs=0.002)
+    assert reserve(store, "k", rate, "a:0").planned == again_a.planned  # a replay: the same cell
+    time.sleep(1.3)
+    late_again = reserve(store, "k", rate, "b:0")
+    assert late_again.planned == pytest.approx(again_b.planned, abs=1e-6) and not late_again.fresh

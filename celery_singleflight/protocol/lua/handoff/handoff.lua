@@ -92,3 +92,19 @@ local function append(out, messages)
   end
   return out
 end
+-- ACQUIRE: the parked run of ``handoff`` took its slot before and did not lose its lease (its
+-- fence is not among the lost ones and no record still holds it): another copy of its message
+-- must not run it again. A run whose lease ran out unreleased (its worker died) may run again.
+local function taken_before(adopted, handoff, recs, n, now)
+  local fence = redis.call('ZSCORE', adopted, handoff)
+  if not fence then
+    return false
+  end
+  for i = 1, n do
+    local r = recs[i]
+    if r and (in_list(r.lost, fence) or (r.token and r.fence == fence)) then
+      return false -- lost, or its lease is still in the record (live: a redelivery; ran out: lost)
+    end
+  end
+  return true
+end

@@ -40,6 +40,9 @@ for i = 1, n do
   end
 end
 local adopting = slot ~= nil
+if handoff ~= '' and not adopting and taken_before(adopted, handoff, recs, n, now) then
+  return {ADOPTED} -- this parked run took its slot and ran: a copy of its message must not run again
+end
 if not slot then
   local holder, left
   slot, holder, left = scan(recs, n, now)
@@ -56,21 +59,31 @@ if not slot then
   end
   if waiting then
     local mine = handoff ~= '' and id .. '|' .. handoff
+    local dead = expired(recs[slot], now) and recs[slot] -- its holder died: the caller ends its run
     local msg = hand_off(slot, n, recs, queue, parked, now, ttl, keep, token, mine, marker)
     if msg then
-      return {HANDED_ON, recs[slot].task_id, ttl, msg}
+      return {HANDED_ON, recs[slot].task_id, ttl, msg, dead and dead.task_id or '', dead and dead.worker or '',
+        dead and dead.task_name or ''}
     end
     waiting = redis.call('LLEN', queue) > 0
   end
 end
 if handoff ~= '' then
-  -- leaving the queue: this run's entry and message
+  -- leaving the queue: this run's entry and message; its token is remembered, so that another
+  -- copy of its message does not run it again
   redis.call('LREM', queue, 1, id .. '|' .. handoff)
   redis.call('HDEL', parked, id)
   waiting = redis.call('LLEN', queue) > 0
 end
 local prev = recs[slot]
 local fence = num(next_fence(recs, n, now_us))
+if handoff ~= '' then
+  -- remembered by its fence (a clock in microseconds): a later copy of its message learns
+  -- whether this run lost its lease (then it runs again, as a redelivery would) or not
+  redis.call('ZREMRANGEBYSCORE', adopted, '-inf', now_us - ADOPTED_KEEP_MS * 1000)
+  redis.call('ZADD', adopted, fence, handoff)
+  redis.call('PEXPIRE', adopted, ADOPTED_KEEP_MS)
+end
 local extra, lost, carried = '', '', ''
 if prev then
   local prev_id, prev_outcome = previous(prev, now)

@@ -1,9 +1,10 @@
 -- ACQUIRE: take a free slot of the key, or learn who holds it (protocol/lease.py). One script
 -- per acquire: this plain path first, then the helpers it needs and the general path.
--- KEYS[1..n] - the key's run records, one per slot (n = max_concurrency, usually 1; #KEYS - 3)
+-- KEYS[1..n] - the key's run records, one per slot (n = max_concurrency, usually 1; #KEYS - 4)
 -- KEYS[n+1]  - queue of parked runs (list of 'task id|handoff token')
 -- KEYS[n+2]  - parked messages (hash: task id -> message)
 -- KEYS[n+3]  - enqueue-time dedup marker (a dead holder's is removed)
+-- KEYS[n+4]  - handoff tokens of parked runs that took their slot (sorted set: token -> ms)
 -- ARGV[1] - the call (ACQUIRE_CALL, protocol/lease.py), its fields separated by \31: the token
 --           unique to this execution; the lease TTL, ms; the record's expiry (PX: the TTL plus
 --           how long the record outlives its lease, sent ready); the handoff token this run was
@@ -15,12 +16,14 @@
 --        from 0), also when this is a second run of the same call;
 --        {HELD, holder task id, lease ms left} if every slot is held (the holder whose lease
 --        ends first);
---        {HANDED_ON, its task id, reservation ms, message} if a slot was free but handed to the
---        first parked run (the caller sends its message);
+--        {HANDED_ON, its task id, reservation ms, message, and the task id, worker and task name of
+--        the run whose lease ran out unreleased on that slot, or ''} if a slot was free but handed
+--        to the first parked run (the caller sends its message, and ends the dead run's);
+--        {ADOPTED} if this run was parked and took its slot before: this message is another copy;
 --        {FOREIGN, version} if a record of the key was written by another protocol version
 local token, ttl, px, handoff, earlier = string.match(ARGV[1], ACQUIRE_CALL)
-local n = #KEYS - 3
-local queue, parked, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+local n = #KEYS - 4
+local queue, parked, marker, adopted = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
 local first = redis.call('GET', KEYS[1])
 if n == 1 and handoff == '' and earlier == '' then
   -- The plain path: one slot, a run never parked, and a key with no record (nobody held it

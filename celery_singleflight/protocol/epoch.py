@@ -1,0 +1,68 @@
+"""Whether the lease Redis kept its data: the namespace's *epoch*, and the reads that tell which
+journaled runs still wait there (:mod:`..run.journal`, :mod:`..worker.recovery`).
+
+The epoch is a life id and a count. Each worker's sweeper counts once per look (``EPOCH``) and
+keeps the answer; the next answer has the same life and a larger count while Redis keeps its
+data. A missing key (restarted empty) gets a new life; a restore from an older snapshot, an AOF
+that lost its last second or a failover to a lagging replica brings back a count no larger than
+the one last seen. Each worker compares with its own last look, so every worker sees the loss,
+not only the first to look. A restart that kept the data changes neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .context import Feature, text
+from .handoff import JOINED, PARKED
+from .layout import Part
+from .lua import Script
+from .order import BOOK
+
+__all__ = ["EPOCH", "EPOCH_KEY", "SCRIPTS", "EpochCalls", "Waiting"]
+
+EPOCH_KEY = Part("epoch", "string: `<life> <count>`", "none",
+                 "counted by every worker's sweeper: a new life or a smaller count says Redis lost data",
+                 index=True)
+
+EPOCH = Script("EPOCH", "epoch/epoch.lua")
+SCRIPTS = (EPOCH,)
+
+#: (kind, key, task id, message, sequence number) of a journaled run
+Waiting = tuple[str, str, str, str, int]
+
+
+class EpochCalls(Feature):
+    """The epoch, and where a journaled run waits."""
+
+    __slots__ = ()
+
+    def look(self, new_life: str) -> tuple[str, int]:
+        """Count one more look: (life, count). ``new_life`` is taken if the epoch is missing."""
+        reply = self.ctx.script(EPOCH)(keys=[self.ctx.layout.index(EPOCH_KEY)], args=[new_life])
+        return text(reply[0]), int(reply[1])
+
+    def waiting(self, runs: Sequence[Waiting]) -> list[bool]:
+        """For each journaled run, whether it still waits in Redis (one round trip): parked or
+        pending in its key's queue (``park``, ``pending``), in its key's joined list (``join``),
+        or in its key's order book for its turn (``order``)."""
+        if not runs:
+            return []
+        layout = self.ctx.layout
+        pipe = self.ctx.client.pipeline(transaction=False)
+        for kind, key, task_id, message, seq in runs:
+            if kind == "join":
+                pipe.lpos(layout.key(JOINED, key), message)
+            elif kind == "order":
+                pipe.hexists(layout.key(BOOK, key), f"w:{seq}")
+            else:
+                pipe.hexists(layout.key(PARKED, key), task_id)
+        found: list[Any] = pipe.execute()
+        # LPOS answers the position (0 is the front) or nil; HEXISTS answers 0 or 1
+        return [(value is not None) if run[0] == "join" else bool(value) for run, value in zip(runs, found,
+                                                                                              strict=True)]
+
+    def parked(self, key: str, task_id: str) -> bool:
+        """Whether ``task_id`` waits in the queue of ``key`` (parked or pending)."""
+        return bool(self.ctx.client.hexists(self.ctx.layout.key(PARKED, key), task_id))

@@ -1,0 +1,112 @@
+"""Runs that waited, then started: the namespace's *started index*, so that a run lost with its
+whole worker does not keep the state it waited in.
+
+A run the library parked, delayed or re-sent before it started has an intermediate state in the
+result backend (``QUEUED``, ``DEBOUNCED``, ``RETRY``) that only its own end replaces. When such
+a run starts, it is entered here (:meth:`StartedCalls.enter`, one ``ZADD``): a member naming the
+key, the slot, the task id, the fence and the worker, scored by when its lease runs out plus
+:data:`~..constants.LOST_RUN_GRACE`. A sweeper takes the due members, reads each slot's run
+record and asks :func:`verdict` what became of the run: it still holds its lease (look again
+when it would run out), it ended by a release (forget it), or it was lost (its lease ran out
+unreleased). Every call is safe to run twice, and by several sweepers at once: the member is the
+same JSON text, ``ZADD XX`` only moves a member still there, ``ZREM`` of a gone one does nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .context import Feature, due_ms, text
+from .layout import Part
+from .record import RunRecord
+
+__all__ = ["STARTED", "StartedCalls", "StartedRun", "Verdict", "verdict"]
+
+STARTED = Part("started", "sorted set: JSON `[key, slot, task id, fence, worker]` → when to look (ms)",
+               "none", "runs that waited (parked, delayed, re-sent) and started, for the sweeper's lost-run"
+               " check", index=True)
+
+
+@dataclass(frozen=True)
+class StartedRun:
+    """One started run as its member names it (``slot`` 0-based, ``worker`` Celery's hostname)."""
+
+    key: str
+    slot: int
+    task_id: str
+    fence: int
+    worker: str
+
+    def member(self) -> str:
+        """The member's text: the same for the same run, so a re-sent ``ZADD`` adds nothing."""
+        return json.dumps([self.key, self.slot, self.task_id, str(self.fence), self.worker],
+                          separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, member: str) -> StartedRun | None:
+        """The run a member names, or None for a member that is not one."""
+        try:
+            key, slot, task_id, fence, worker = json.loads(member)
+            return cls(str(key), int(slot), str(task_id), int(fence), str(worker))
+        except (ValueError, TypeError):
+            return None
+
+
+class Verdict(enum.Enum):
+    """What became of a started run, as its slot's record tells."""
+
+    LIVE = "it still holds its lease"
+    ENDED = "it ended by a release (its own, the main process's, or an operator's)"
+    LOST = "its lease ran out unreleased"
+
+
+def verdict(record: RunRecord, now_ms: int, run: StartedRun) -> tuple[Verdict, float]:
+    """What became of ``run`` by the record of its slot, read at ``now_ms`` (the server's clock);
+    and, while it is live, the seconds its lease has left.
+
+    The record is the run's own while it has the run's fence and task id (a reservation for the
+    next parked run keeps the fence, but is not the run's). Once a later record replaced it, the
+    later one says who ran before it and how that ended (``prev_task_id``, ``prev_outcome``:
+    ``expired`` is a lease that ran out); further on, only ``lost`` remembers the fences of
+    recent runs whose lease ran out (or was force-released). A record that is gone, or older than
+    the run (Redis lost data), tells nothing of an end: the run counts as lost.
+    """
+    fence = record.fence
+    if fence is None or fence < run.fence:
+        return Verdict.LOST, 0.0
+    if fence == run.fence and not record.reserved and record.task_id == run.task_id:
+        if not record.token:
+            return Verdict.ENDED, 0.0
+        left = (record.deadline or 0) - now_ms
+        return (Verdict.LIVE, left / 1000.0) if left > 0 else (Verdict.LOST, 0.0)
+    if record.prev_task_id == run.task_id and record.prev_outcome:
+        return (Verdict.LOST if record.prev_outcome == "expired" else Verdict.ENDED), 0.0
+    return (Verdict.LOST if str(run.fence) in record.lost.split(",") else Verdict.ENDED), 0.0
+
+
+class StartedCalls(Feature):
+    """The calls of the started index."""
+
+    __slots__ = ()
+
+    def enter(self, run: StartedRun, seconds: float) -> None:
+        """Enter ``run``, due in ``seconds``."""
+        self.ctx.client.zadd(self.ctx.layout.index(STARTED), {run.member(): due_ms(seconds)})
+
+    def due(self, limit: int = 100) -> list[str]:
+        """The members whose look is due, oldest first."""
+        raw: list[Any] = self.ctx.client.zrangebyscore(self.ctx.layout.index(STARTED), "-inf", due_ms(0),
+                                                       start=0, num=limit)
+        return [text(member) for member in raw]
+
+    def plan(self, member: str, seconds: float) -> None:
+        """Look at ``member`` again in ``seconds``, if it is still there (another sweeper may
+        have dropped it meanwhile)."""
+        self.ctx.client.zadd(self.ctx.layout.index(STARTED), {member: due_ms(seconds)}, xx=True)
+
+    def drop(self, member: str) -> None:
+        """Forget ``member``."""
+        self.ctx.client.zrem(self.ctx.layout.index(STARTED), member)

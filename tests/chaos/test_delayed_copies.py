@@ -1,0 +1,71 @@
+"""A worker killed while it holds rate-delayed (countdown) messages: their copies in Redis are sent
+by the other worker's sweeper once the killed worker is seen gone, each run runs once, and when
+the broker gives the killed worker's messages back (visibility timeout) they are dropped as stale.
+
+Worker A alone receives the runs, so A holds every countdown message (and says so in Redis);
+then B starts and A's whole process group is SIGKILLed. The Redis broker's visibility timeout is
+8 s here, so the original messages come back within the test.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from celery_singleflight import RunLost, constants
+
+from .conftest import Workers, runs, wait_for
+
+pytestmark = pytest.mark.worker
+VISIBILITY = 8.0
+
+
+def _copies(chaos: ModuleType, key: str) -> dict[str, Any]:
+    store = chaos.nl_rate.store
+    raw = store.client.hgetall(store.layout.delayed(chaos.nl_rate.render_key(key, 0)))
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+@pytest.mark.timeout(120)
+def test_copies_of_a_dead_workers_delayed_runs_run_once(
+    chaos: ModuleType, workers: Workers, queue: str
+) -> None:
+    env = {"CHAOS_TTL": "3", "CHAOS_VISIBILITY": str(VISIBILITY)}
+    first = workers.one(queue, env=env)
+    key = "dead-holder"
+    sent = [chaos.nl_rate.apply_async((key, n), {"seconds": 0.05}, queue=queue) for n in range(8)]
+    # 4/s with burst 1: one run now, seven delayed up to ~1.75 s; every copy noted as held by A
+    wait_for(lambda: len(_copies(chaos, key)) == 7
+             and all(any(w.startswith(f"{first.hostname}#") for w in (c.get("w") or {}).values())
+                     for c in _copies(chaos, key).values()),
+             timeout=20)
+    second = workers.start(workers.make(queue, env=env))[0]
+    first.kill()
+    killed = time.time()
+    lost = _wait_terminal(sent, timeout=30)
+    done = time.time() - killed
+    assert len(lost) <= 1, lost  # only a run A was in the middle of is lost with it (RunLost)
+    finished = sorted(int(r["n"]) for r in runs(chaos) if r["end"] is not None)  # every slot of the key
+    assert finished == sorted(n for n in range(8) if sent[n].id not in lost), finished  # each ran once
+    # the copies went once A was seen gone: its last sweep + WORKER_GONE_AFTER + a sweep, at most
+    assert done < 1.75 + constants.WORKER_GONE_AFTER + 2 * constants.SWEEP_INTERVAL + 3.0, done
+    # A's original messages come back after the visibility timeout: B drops them as stale
+    time.sleep(VISIBILITY + 4.0)
+    assert sorted(int(r["n"]) for r in runs(chaos) if r["end"] is not None) == finished
+    assert "another copy of this delayed run runs or ran" in second.log_path.read_text()
+
+
+def _wait_terminal(sent: list[Any], timeout: float) -> set[str]:
+    """Wait until every result is ready; the ids of those that ended FAILURE with RunLost (any
+    other failure fails the test)."""
+    wait_for(lambda: all(r.ready() for r in sent), timeout=timeout)
+    lost = set()
+    for result in sent:
+        if result.state != "SUCCESS":
+            assert isinstance(result.result, RunLost), (result.state, result.result)
+            lost.add(result.id)
+    return lost

@@ -1,0 +1,161 @@
+"""Delayed runs keep a copy in Redis (protocol/delayed.py): the scripts answer the same when a
+reply is lost, exactly one copy of a run claims it, and a copy is handed out again only when its
+countdown message has not started a grace after its due time."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery.canvas import Signature
+
+from celery_singleflight import constants
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.protocol.delayed import ClaimReply
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
+from celery_singleflight.run.messages import HEADER_DELAYED
+from celery_singleflight.testing import RedisServer
+from celery_singleflight.worker.copies import SendCopies, forget_revoked
+
+from .chaos.faultproxy import DROP_REPLY, FaultProxy
+from .lua_sources import SOURCE
+
+
+def _store(url: str) -> LeaseStore:
+    return LeaseStore(redis_client(url), KeyLayout(f"dl-{uuid.uuid4().hex[:6]}"))
+
+
+def test_the_countdown_message_claims_its_copy_and_a_later_delivery_goes_on(
+    redis_server: RedisServer,
+) -> None:
+    """Given a run delayed 0.2 s, when its countdown message starts it claims the copy (which is
+    dropped: nothing is left in the hash or the index); another delivery of that message finds no
+    copy and goes on (the lease turns it away while the first runs)."""
+    store = _store(redis_server.url + "/2")
+    due = store.delayed.delay("k", "t1", "tok1", '{"task": "x"}', 0.2)
+    assert abs(due - time.time()) < 1.0
+    assert store.delayed.waiting("k", "t1")
+    assert store.delayed.claim("k", "t1", "tok1") == ClaimReply.GO
+    assert not store.delayed.waiting("k", "t1")
+    assert store.client.zcard(store.layout.delays()) == 0
+    assert store.delayed.claim("k", "t1", "tok1") == ClaimReply.GO
+
+
+def test_a_lost_message_is_sent_again_once_and_only_one_copy_runs(redis_server: RedisServer) -> None:
+    """Given a run whose countdown message worker w1 received: a sweeper hands out nothing before
+    its due time plus the grace, nor while w1 is alive (w1 is busy: the message is late, not
+    lost); once w1 is gone, the copy under a new token. Then whichever copy starts first runs and
+    every other copy (the first message coming back after the visibility timeout) is stale."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t2", "tok-a", '{"task": "x"}', 0.1)
+    store.delayed.touch([("k", "t2", "tok-a")], "w1")
+    assert store.delayed.resend("k", "t2", "sweep-1", []) is None  # not due yet: looked at again later
+    time.sleep(0.1 + constants.DELAYED_GRACE + 0.05)
+    assert store.delayed.due() == [("k", "t2")]
+    assert store.delayed.resend("k", "t2", "sweep-1", ["w1", "w2"]) is None  # w1 holds it
+    assert store.delayed.due() == []  # looked at again in a while
+    assert store.delayed.resend("k", "t2", "sweep-2", ["w2"]) == ('{"task": "x"}', {})
+    assert store.delayed.resend("k", "t2", "sweep-2", ["w2"]) == ('{"task": "x"}', {})  # a replay
+    store.delayed.sent("k", "t2")
+    assert store.delayed.due() == []
+    assert store.delayed.claim("k", "t2", "sweep-2") == ClaimReply.GO_LATE  # the copy starts first
+    assert store.delayed.claim("k", "t2", "sweep-2") != ClaimReply.STALE  # its replay, or its redelivery
+    # the first message, back after the visibility timeout
+    assert store.delayed.claim("k", "t2", "tok-a") == ClaimReply.STALE
+    assert store.delayed.resend("k", "t2", "sweep-3", []) is None  # claimed: never handed out again
+
+
+def test_a_message_no_worker_noted_gets_its_copy_only_after_the_unseen_grace(
+    redis_server: RedisServer,
+) -> None:
+    """A message no worker noted receiving waits in the broker (or its worker died at once): its
+    copy goes only DELAYED_UNSEEN_GRACE after its due time."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t5", "tok", "{}", 0.05)
+    time.sleep(0.05 + constants.DELAYED_GRACE + 0.05)
+    assert store.delayed.resend("k", "t5", "sweep", []) is None
+    score = store.client.zscore(store.layout.delays(), '["k", "t5"]')
+    assert score is not None and score / 1000 - time.time() > constants.DELAYED_UNSEEN_GRACE - 3
+
+
+def test_a_run_delayed_again_makes_its_earlier_copies_stale(redis_server: RedisServer) -> None:
+    """A debounced call waits again (a newer call came): its earlier message is stale from then on."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t3", "first", "{}", 0.05)
+    assert store.delayed.claim("k", "t3", "first") != ClaimReply.STALE
+    store.delayed.delay("k", "t3", "second", "{}", 0.05)
+    assert store.delayed.claim("k", "t3", "first") == ClaimReply.STALE
+    assert store.delayed.claim("k", "t3", "second") != ClaimReply.STALE
+
+
+def test_lost_replies_of_the_delayed_scripts_change_nothing(redis_server: RedisServer) -> None:
+    """Given the reply of every DELAY, TOUCH, CLAIM and RESEND dropped once (the script ran, redis-py sends
+    it again), each caller gets the answer of the first run."""
+    with FaultProxy(redis_server.port) as proxy:
+        for name in ("DELAY", "CLAIM", "RESEND", "TOUCH"):
+            proxy.add_rule(DROP_REPLY, script=SOURCE[name], first_time_only=True)
+        store = _store(proxy.url(2))
+        first_due = store.delayed.delay("k", "t4", "tok", '{"m": 1}', 0.05)
+        store.delayed.touch([("k", "t4", "tok")], "gone")
+        time.sleep(0.05 + constants.DELAYED_GRACE + 0.05)
+        assert store.delayed.resend("k", "t4", "sweep", []) == ('{"m": 1}', {})
+        assert store.delayed.claim("k", "t4", "tok") != ClaimReply.STALE
+        assert store.delayed.claim("k", "t4", "sweep") == ClaimReply.STALE
+        assert len(proxy.faults) >= 4  # each distinct call loses its first reply
+        raw = store.client.hget(store.layout.delayed("k"), "t4")
+        assert raw is not None and b'"c":"tok"' in raw.replace(b" ", b"")
+        assert first_due > 0
+
+
+def test_a_late_first_message_of_a_run_sent_again_and_delayed_again_is_stale(
+    redis_server: RedisServer,
+) -> None:
+    """Given a run whose countdown message (tok-0) a dead worker held: its copy (sweep-1) runs,
+    takes a new rate-limit cell and is delayed again (tok-2), which then runs. When tok-0 comes
+    back after the visibility timeout it is stale: the run does not run a third time."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t6", "tok-0", "{}", 0.01)
+    time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
+    store.delayed.touch([("k", "t6", "tok-0")], "gone")
+    assert store.delayed.resend("k", "t6", "sweep-1", []) is not None
+    assert store.delayed.claim("k", "t6", "sweep-1") == ClaimReply.GO_LATE
+    store.delayed.delay("k", "t6", "tok-2", "{}", 0.01)
+    assert store.delayed.claim("k", "t6", "tok-2") == ClaimReply.GO
+    assert store.delayed.claim("k", "t6", "tok-0") == ClaimReply.STALE
+    assert store.delayed.claim("k", "t6", "sweep-1") == ClaimReply.STALE
+    assert store.client.zcard(store.layout.delayed_ends("k")) == 1  # kept until DELAYED_KEEP is over
+
+
+def test_a_revoked_delayed_message_leaves_no_copy_to_run(redis_server: RedisServer, sfapp: Any) -> None:
+    """Celery drops a revoked (or expired) message without running any code of the task: the
+    worker's main process claims its copy with that message's token, so no sweeper sends it."""
+    task = sfapp.app.tasks[sfapp.queued.name]  # as the worker's signal gets it
+    store = task.store
+    store.delayed.delay("q:k", "rv", "tok-rv", "{}", 0.01)
+    store.delayed.touch([("q:k", "rv", "tok-rv")], "gone#x")
+    forget_revoked(task, SimpleNamespace(id="rv", request_dict={HEADER_DELAYED: "tok-rv q:k"}))
+    assert not store.delayed.waiting("q:k", "rv")
+    time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
+    assert store.delayed.resend("q:k", "rv", "sweep", []) is None
+
+
+def test_a_copy_that_cannot_be_sent_does_not_hold_up_the_others(
+    redis_server: RedisServer, sfapp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One copy whose message cannot be read is looked at again later; the next copy is sent."""
+    sent: list[str] = []
+    monkeypatch.setattr(Signature, "apply_async", lambda self, *a, **kw: sent.append(self.options["task_id"]))
+    store = sfapp.queued.store
+    good = json.dumps(dict(sfapp.queued.s("k", 1).set(task_id="good")))
+    store.delayed.delay("q:a", "bad", "t1", "{not json", 0.01)
+    store.delayed.delay("q:b", "good", "t2", good, 0.02)
+    time.sleep(0.02 + constants.DELAYED_GRACE + 0.05)
+    for key, task_id in (("q:a", "bad"), ("q:b", "good")):
+        store.delayed.touch([(key, task_id, "t1" if task_id == "bad" else "t2")], "gone#x")
+    job = SendCopies(sfapp.app, store, "me#y")
+    assert job.sweep_once() == 1 and sent == ["good"]
+    assert ("q:a", "bad") not in store.delayed.due()  # looked at again later
