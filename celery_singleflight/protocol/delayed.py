@@ -61,7 +61,7 @@ class ResendReply(Replies):
     RESEND = 2, "{RESEND, message, headers (JSON) or ''}: send it again with the new token"
 
 
-_LIBS = ("delayed/delayed.lua",)
+_LIBS = ("shared/common.lua", "delayed/delayed.lua")
 _LUA = dict(constants.LUA_CONSTANTS)
 DELAY = Script("DELAY", "delayed/delay.lua", _LIBS, replies=(DelayReply,), constants=_LUA)
 CLAIM = Script("CLAIM", "delayed/claim.lua", _LIBS, replies=(ClaimReply,), constants=_LUA)

@@ -55,8 +55,8 @@ class DueReply(Replies):
 
 
 _LUA = dict(constants.LUA_CONSTANTS)
-DEBOUNCE_CALL = Script("DEBOUNCE_CALL", "time/debounce_call.lua", ("time/time.lua", "delayed/delayed.lua"),
-                       constants=_LUA)
+DEBOUNCE_CALL = Script("DEBOUNCE_CALL", "time/debounce_call.lua",
+                       ("shared/common.lua", "time/time.lua", "delayed/delayed.lua"), constants=_LUA)
 DEBOUNCE_DUE = Script("DEBOUNCE_DUE", "time/debounce_due.lua", ("time/time.lua",), replies=(DueReply,),
                       constants=_LUA)
 RATE = Script("RATE", "time/rate.lua", constants=_LUA)

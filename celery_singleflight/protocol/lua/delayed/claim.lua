@@ -22,7 +22,7 @@ end
 if not has_token(e, token) then
   return {STALE}
 end
-local now = now_ms()
+local now = clock()
 prune(KEYS[1], KEYS[2], now)
 if not e.r and not e.old then
   redis.call('HDEL', KEYS[1], id)

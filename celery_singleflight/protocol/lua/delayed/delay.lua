@@ -14,7 +14,7 @@ local e = entry_of(KEYS[1], id)
 if e and e.t == token then
   return {DELAYED, tonumber(e.due)}
 end
-local now = now_ms()
+local now = clock()
 local due = now + tonumber(ARGV[4])
 prune(KEYS[1], KEYS[2], now)
 delayed_entry(KEYS[1], KEYS[2], id, token, due, ARGV[3], nil)

@@ -5,16 +5,8 @@
 -- ``w`` which worker noted receiving which copy, ``r`` once a sweeper sent a copy, ``c`` the token
 -- that claimed it. A claimed entry that more than one message may still come for is kept until
 -- its time in the ``ends`` sorted set is over.
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 local function entry_of(hash, id)
-  local raw = redis.call('HGET', hash, id)
-  if raw then
-    return cjson.decode(raw)
-  end
-  return false
+  return decode(redis.call('HGET', hash, id))
 end
 -- the hash lives at least ``ms`` longer (never shorter: other entries may need more)
 local function keep_for(hash, ms)

@@ -20,7 +20,7 @@ if e.t == token then
   return {RESEND, e.m, headers}
 end
 -- counted from its due time, or from when a sweeper last sent a copy (that copy may be lost too)
-local now, due = now_ms(), math.max(tonumber(e.due), tonumber(e.sent or 0))
+local now, due = clock(), math.max(tonumber(e.due), tonumber(e.sent or 0))
 if due + DELAYED_GRACE_MS > now then
   return {NOT_DUE, due + DELAYED_GRACE_MS}
 end
