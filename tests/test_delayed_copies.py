@@ -159,3 +159,17 @@ def test_a_copy_that_cannot_be_sent_does_not_hold_up_the_others(
     job = SendCopies(sfapp.app, store, "me#y")
     assert job.sweep_once() == 1 and sent == ["good"]
     assert ("q:a", "bad") not in store.delayed.due()  # looked at again later
+
+
+def test_a_copy_put_back_after_a_data_loss_never_replaces_a_newer_delay(
+    redis_server: RedisServer,
+) -> None:
+    """The recovery puts back a lost copy under its journaled token; if the run was delayed again
+    meanwhile (its message came, took a new rate-limit cell), that newer entry stands: its
+    message must not become stale."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t7", "newer", "{}", 5.0)
+    store.delayed.delay("k", "t7", "journaled", "{}", 0.0, restore=True)
+    assert store.delayed.claim("k", "t7", "newer") == ClaimReply.GO
+    store.delayed.delay("k", "t8", "journaled", "{}", 0.0, restore=True)  # nothing there: put back
+    assert store.delayed.waiting("k", "t8")

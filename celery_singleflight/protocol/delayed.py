@@ -79,11 +79,13 @@ class DelayedCalls(Feature):
 
     __slots__ = ()
 
-    def delay(self, key: str, task_id: str, token: str, message: str, countdown: float) -> float:
+    def delay(self, key: str, task_id: str, token: str, message: str, countdown: float, *,
+              restore: bool = False) -> float:
         """Keep a copy of a run delayed by ``countdown`` seconds, whose countdown message carries
-        ``token``, and enter it in the delayed index (one round trip). Returns its due time
-        (epoch seconds, the server's clock)."""
-        args = [task_id, token, message, ms(countdown) if countdown > 0 else 0]
+        ``token``, and enter it in the delayed index (one round trip). ``restore``: put back a
+        copy Redis lost, only if the run has no entry now. Returns its due time (epoch seconds,
+        the server's clock)."""
+        args = [task_id, token, message, ms(countdown) if countdown > 0 else 0, "1" if restore else ""]
         reply = self.with_index(DELAY, self.keys(key), args, key, task_id, countdown)
         return int(reply[1]) / 1000.0
 

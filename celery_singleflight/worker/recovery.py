@@ -286,7 +286,8 @@ class Recovery(Sweep):
                 # its copy again, under its countdown message's token: that message (or a re-send
                 # of it) still claims it; if none starts, a sweeper sends the copy
                 countdown = max(0.0, (entry.due or 0.0) - mod_time.time())
-                delayed.delay(entry.key, entry.task_id, entry.token, json.dumps(data), countdown)
+                delayed.delay(entry.key, entry.task_id, entry.token, json.dumps(data), countdown,
+                              restore=True)
             else:
                 Signature.from_dict(data, app=self.app).apply_async()
         except Exception as exc:  # noqa: BLE001 - any broker's error: sent again at the next sweep

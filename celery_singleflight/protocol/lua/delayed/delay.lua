@@ -6,12 +6,14 @@
 -- ARGV[2] - the token its countdown message carries (unique to this delay: a replay carries it)
 -- ARGV[3] - its message, without the token
 -- ARGV[4] - the countdown, milliseconds
+-- ARGV[5] - '1' to put back a copy Redis lost (the recovery): written only if the run has no entry
+--           (it started, or was delayed again, meanwhile: that entry stands)
 -- A run delayed again replaces its entry (its earlier copies are stale from then on); running
 -- this twice writes the same entry, due when the first run said.
 -- return {DELAYED, due ms}
 local id, token = ARGV[1], ARGV[2]
 local e = entry_of(KEYS[1], id)
-if e and e.t == token then
+if e and (e.t == token or ARGV[5] == '1') then
   return {DELAYED, tonumber(e.due)}
 end
 local now = clock()
