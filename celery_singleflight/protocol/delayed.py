@@ -13,6 +13,7 @@ the countdown message and the copies sent again, exactly one runs: a late one is
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -24,7 +25,7 @@ from .lua import Replies, Script
 
 __all__ = [
     "CLAIM", "DELAY", "DELAYED", "DELAYED_DUE", "DELAYED_ENDS", "RESEND", "SCRIPTS", "TOUCH", "WORKERS",
-    "ClaimReply", "DelayReply", "DelayedCalls", "ResendReply", "TouchReply",
+    "ClaimReply", "DelayReply", "DelayedCalls", "ResendReply", "TouchReply", "copy_waits",
 ]
 
 DELAYED = Part("delayed", "hash: task id → JSON (token, due, message)",
@@ -70,6 +71,11 @@ TOUCH = Script("TOUCH", "delayed/touch.lua", _LIBS, replies=(TouchReply,), const
 SCRIPTS = (DELAY, CLAIM, RESEND, TOUCH)
 
 
+def copy_waits(raw: Any) -> bool:
+    """Whether a run's entry (as HGET read it) still holds a copy that waits to start."""
+    return raw is not None and "m" in json.loads(raw)
+
+
 def _member(key: str, task_id: str) -> str:
     return json.dumps([key, task_id])
 
@@ -97,24 +103,34 @@ class DelayedCalls(Feature):
                    look_in: float) -> Any:
         """Run ``script``, which keeps a copy of a delayed run, and enter that run in the delayed
         index, to be looked at ``look_in`` seconds from now plus the grace (sooner is safe: a run
-        not due yet is looked at again when it is): one round trip, a pipeline; two on a Cluster,
-        whose pipelines refuse scripts. Returns the script's reply."""
-        client, called = self.ctx.client, self.ctx.script(script)
-        index, member = self.ctx.layout.index(DELAYED_DUE), _member(key, task_id)
+        not due yet is looked at again when it is): one round trip. Returns the script's reply."""
         look = due_ms(look_in + constants.DELAYED_GRACE)
+        index, member = self.ctx.layout.index(DELAYED_DUE), _member(key, task_id)
+        return self._pipelined(script, [(keys, args)], lambda pipe: pipe.zadd(index, {member: look}))[0]
+
+    def _pipelined(self, script: Script, calls: list[tuple[list[str], list[Any]]],
+                   then: Callable[[Any], Any] | None = None) -> list[Any]:
+        """``script`` once per ``(keys, args)`` of ``calls``, then ``then(pipe)``, in one pipeline
+        (one round trip; a script Redis does not know yet is loaded and run again, which is safe).
+        A Cluster's pipelines refuse scripts: there each is one call. The scripts' replies."""
+        called = self.ctx.script(script)
         if self.ctx.cluster:
-            reply = called(keys=keys, args=args)
-            client.zadd(index, {member: look})
-            return reply
-        pipe = client.pipeline(transaction=False)
-        pipe.evalsha(called.sha.decode(), len(keys), *keys, *args)
-        pipe.zadd(index, {member: look})
-        reply, _ = pipe.execute(raise_on_error=False)
-        if isinstance(reply, redis.exceptions.NoScriptError):
-            reply = called(keys=keys, args=args)  # loads it
-        elif isinstance(reply, Exception):
-            raise reply
-        return reply
+            replies: list[Any] = [called(keys=keys, args=args) for keys, args in calls]
+            if then is not None:
+                then(self.ctx.client)
+            return replies
+        pipe = self.ctx.client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(called.sha.decode(), len(keys), *keys, *args)
+        if then is not None:
+            then(pipe)
+        replies = pipe.execute(raise_on_error=False)[: len(calls)]
+        for i, ((keys, args), reply) in enumerate(zip(calls, replies, strict=True)):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                replies[i] = called(keys=keys, args=args)  # loads it
+            elif isinstance(reply, Exception):
+                raise reply
+        return replies
 
     def claim(self, key: str, task_id: str, token: str) -> ClaimReply:
         """A delayed run's message starts: does this copy run (GO, GO_LATE: it was sent again
@@ -159,20 +175,10 @@ class DelayedCalls(Feature):
         self.ctx.client.zadd(self.ctx.layout.index(DELAYED_DUE), {_member(key, task_id): due_ms(seconds)})
 
     def touch(self, received: list[tuple[str, str, str]], worker: str) -> None:
-        """Note that ``worker`` holds these copies (``(key, task id, token)``), one round trip on
-        a standalone Redis (a pipeline)."""
-        layout, script = self.ctx.layout, self.ctx.script(TOUCH)
-        if self.ctx.cluster:
-            for key, task_id, token in received:
-                script(keys=[layout.key(DELAYED, key)], args=[task_id, token, worker])
-            return
-        pipe = self.ctx.client.pipeline(transaction=False)
-        for key, task_id, token in received:
-            pipe.evalsha(script.sha.decode(), 1, layout.key(DELAYED, key), task_id, token, worker)
-        replies = pipe.execute(raise_on_error=False)
-        if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
-            for key, task_id, token in received:
-                script(keys=[layout.key(DELAYED, key)], args=[task_id, token, worker])  # loads it
+        """Note that ``worker`` holds these copies (``(key, task id, token)``): one round trip."""
+        layout = self.ctx.layout
+        self._pipelined(TOUCH, [([layout.key(DELAYED, key)], [task_id, token, worker])
+                                for key, task_id, token in received])
 
     def alive(self, worker: str) -> list[str]:
         """``worker``'s sweeper runs: say so, and answer the workers alive now (one round trip on a
@@ -192,6 +198,5 @@ class DelayedCalls(Feature):
                              {_member(key, task_id): due_ms(constants.DELAYED_RECHECK)})
 
     def waiting(self, key: str, task_id: str) -> bool:
-        """Whether a copy of the run still waits to start (for the journal's compaction)."""
-        raw = self.ctx.client.hget(self.ctx.layout.key(DELAYED, key), task_id)
-        return raw is not None and "m" in json.loads(raw)
+        """Whether a copy of the run still waits to start."""
+        return copy_waits(self.ctx.client.hget(self.ctx.layout.key(DELAYED, key), task_id))

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .context import Feature, text
+from .delayed import DELAYED, copy_waits
 from .handoff import JOINED, PARKED
 from .layout import Part
 from .lua import Script
@@ -33,6 +34,14 @@ SCRIPTS = (EPOCH,)
 Waiting = tuple[str, str, str, str, int]
 
 
+def _waits(kind: str, value: Any) -> bool:
+    if kind == "join":
+        return value is not None
+    if kind == "delay":
+        return copy_waits(value)
+    return bool(value)
+
+
 class EpochCalls(Feature):
     """The epoch, and where a journaled run waits."""
 
@@ -46,7 +55,8 @@ class EpochCalls(Feature):
     def waiting(self, runs: Sequence[Waiting]) -> list[bool]:
         """For each journaled run, whether it still waits in Redis (one round trip): parked or
         pending in its key's queue (``park``, ``pending``), in its key's joined list (``join``),
-        or in its key's order book for its turn (``order``)."""
+        in its key's order book for its turn (``order``), or delayed with its copy unclaimed
+        (``delay``)."""
         if not runs:
             return []
         layout = self.ctx.layout
@@ -56,12 +66,13 @@ class EpochCalls(Feature):
                 pipe.lpos(layout.key(JOINED, key), message)
             elif kind == "order":
                 pipe.hexists(layout.key(BOOK, key), f"w:{seq}")
+            elif kind == "delay":
+                pipe.hget(layout.key(DELAYED, key), task_id)
             else:
                 pipe.hexists(layout.key(PARKED, key), task_id)
         found: list[Any] = pipe.execute()
-        # LPOS answers the position (0 is the front) or nil; HEXISTS answers 0 or 1
-        return [(value is not None) if run[0] == "join" else bool(value) for run, value in zip(runs, found,
-                                                                                              strict=True)]
+        # LPOS answers the position (0 is the front) or nil; HEXISTS 0 or 1; HGET a delayed entry
+        return [_waits(run[0], value) for run, value in zip(runs, found, strict=True)]
 
     def parked(self, key: str, task_id: str) -> bool:
         """Whether ``task_id`` waits in the queue of ``key`` (parked or pending)."""

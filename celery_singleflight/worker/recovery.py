@@ -233,15 +233,8 @@ class Recovery(Sweep):
         return sent, done
 
     def waiting(self, store: LeaseStore, entries: Sequence[Entry]) -> list[bool]:
-        """Which entries still wait in Redis (one round trip, and one per delayed run)."""
-        placed = [entry for entry in entries if entry.kind != "delay"]
-        found = dict(zip((e.line for e in placed), store.epoch.waiting(
-            [(e.kind, e.key, e.task_id, e.message, e.seq) for e in placed]), strict=True))
-        delayed = getattr(store, "delayed", None)
-        for entry in entries:
-            if entry.kind == "delay":
-                found[entry.line] = delayed is not None and delayed.waiting(entry.key, entry.task_id)
-        return [found[entry.line] for entry in entries]
+        """Which entries still wait in Redis (one round trip)."""
+        return store.epoch.waiting([(e.kind, e.key, e.task_id, e.message, e.seq) for e in entries])
 
     def recover(self, store: LeaseStore, entry: Entry) -> str:
         """Send a lost run again if it still waits as journaled: "sent", "skipped" (it started,
@@ -275,19 +268,18 @@ class Recovery(Sweep):
         if handoff:  # its hand-off message may be on its way: once this run takes its key, that one is a copy
             headers[HEADER_RECOVERED_HANDOFF] = handoff
         options["headers"] = headers
-        delayed = getattr(store, "delayed", None)
-        if entry.kind == "delay" and (delayed is None or not entry.token):
+        if entry.kind == "delay" and not entry.token:
             # its countdown message (and any re-send of it) carries the run; a copy under another
             # token would make those stale
             self.owed.pop(entry.line, None)
             return "skipped"
         try:
-            if delayed is not None and entry.kind == "delay":
+            if entry.kind == "delay":
                 # its copy again, under its countdown message's token: that message (or a re-send
                 # of it) still claims it; if none starts, a sweeper sends the copy
                 countdown = max(0.0, (entry.due or 0.0) - mod_time.time())
-                delayed.delay(entry.key, entry.task_id, entry.token, json.dumps(data), countdown,
-                              restore=True)
+                store.delayed.delay(entry.key, entry.task_id, entry.token, json.dumps(data), countdown,
+                                    restore=True)
             else:
                 Signature.from_dict(data, app=self.app).apply_async()
         except Exception as exc:  # noqa: BLE001 - any broker's error: sent again at the next sweep
