@@ -167,15 +167,3 @@ def test_a_duplicate_that_hands_a_dead_holders_key_on_learns_who_died(store: Lea
     assert isinstance(got, Held) and got.handoff == '{"m": "waiter"}'
     assert got.dead is not None and (got.dead.task_id, got.dead.worker, got.dead.task_name) == (
         "dead", "w1@h", "t.dead")
-
-
-def test_the_sweepers_hand_on_of_a_dead_holders_key_names_the_dead_run(store: LeaseStore) -> None:
-    """The sweeper hands a dead holder's key to its parked run: the settlement names the run that
-    died, so that settle() ends its result."""
-    assert isinstance(store.acquire("k4", _token(), 0.05, Holder("dead", "w1@h", "t.dead")), Acquired)
-    assert store.handoff.park("k4", "waiter", "h4", '{"m": "waiter"}', None) is not None
-    time.sleep(0.1)
-    found = store.handoff.resume("k4", 10)
-    assert found is not None and found.handoff == '{"m": "waiter"}'
-    assert found.dead is not None and (found.dead.task_id, found.dead.worker, found.dead.task_name) == (
-        "dead", "w1@h", "t.dead")

@@ -22,12 +22,12 @@ import uuid
 from typing import Any
 
 from .. import constants
-from .context import Feature, due_ms, ms, text, texts
+from .context import Feature, due_ms, ms, text
 from .fields import FLAG, PATTERNS, TEXT, Field, RecordBase, VersionReply, refuse_foreign
 from .layout import Part, duration
 from .lua import Replies, Script
 from .marks import ENQUEUED
-from .replies import DeadHolder, Parked, Settlement
+from .replies import Parked, Settlement
 
 __all__ = [
     "ADOPTED", "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME",
@@ -62,7 +62,7 @@ class HandoffFields(RecordBase):
 
     reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
                      writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
-                     readers=("ops.keystatus", "policies.newest", "protocol.started"))
+                     readers=("ops.keystatus", "run.lost", "policies.newest", "protocol.started"))
     by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
                " the same",
                writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
@@ -90,8 +90,7 @@ class JoinReply(Replies):
 class ResumeReply(Replies):
     NOTHING_WAITS = 0, "{NOTHING_WAITS}: no run is parked or joined"
     ALL_HELD = 1, "{ALL_HELD, ms until a lease runs out}: look again then"
-    HANDED_ON = 2, ("{HANDED_ON, reservation ms, message or '', the dead holder's task id, worker and task"
-                    " name (or ''), orphaned joined runs...}")
+    HANDED_ON = 2, "{HANDED_ON, reservation ms, message or '', orphaned joined runs...}"
 
 
 class ForceReleaseReply(Replies):
@@ -181,8 +180,7 @@ class HandoffCalls(Feature):
         self._waiting_due(key, int(reply[1]) / 1000.0 + constants.RESUME_GRACE, earlier_only=False)
         if code != ResumeReply.HANDED_ON:
             return None
-        dead = DeadHolder(*texts(reply[3:6])) if text(reply[3]) else None
-        return Settlement(True, text(reply[2]) or None, texts(reply[6:]), dead)
+        return _settlement(reply, 2)
 
     def due_waiting(self, limit: int = 100) -> list[str]:
         """Keys of this namespace whose look is due."""

@@ -43,7 +43,7 @@ class LeaseFields(RecordBase):
     token = Field(TEXT, "the lease's owner token (or the parked run's the slot is reserved for); absent"
                   " once released", writers=_RECORD_WRITERS,
                   readers=("RENEW", "PROGRESS", "REVISE_OUTCOME", *_HELD_READERS, "ops.keystatus",
-                           "protocol.reads", "protocol.started", "worker.bootstep"))
+                           "run.lost", "protocol.reads", "protocol.started", "worker.bootstep"))
     fence = Field(NUMBER, "the run's fencing token, larger than every earlier one of the key",
                   writers=_RECORD_WRITERS,
                   readers=("PROGRESS", "NOTE_DUPLICATE", "ops.keystatus", "protocol.started",
@@ -52,7 +52,7 @@ class LeaseFields(RecordBase):
                   readers=("ops.keystatus",))
     deadline = Field(MS, "when the lease runs out unless renewed; absent once released",
                      writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE"),
-                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus",
+                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "run.lost",
                               "protocol.reads", "protocol.started"))
     state = Field(TEXT, "running, the last progress state, handing-off, or the outcome",
                   writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
@@ -67,13 +67,13 @@ class LeaseFields(RecordBase):
                     writers=("RELEASE", "PROGRESS", "FORCE_RELEASE"), readers=("ops.keystatus",))
     task_id = Field(TEXT, "the holder's task id (a hold's holder id)", writers=_RECORD_WRITERS,
                     readers=("REVISE_OUTCOME", "PARK", "JOIN", "ENQUEUE_MARK", "COALESCE", "ops.keystatus",
-                             "policies.newest", "protocol.started", "worker.bootstep",
+                             "run.lost", "policies.newest", "protocol.started", "worker.bootstep",
                              "worker.sweeper"))
     task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); the holder fields come from"
                       " ``Holder.fields``", writers=("ACQUIRE",),
-                      readers=("ACQUIRE", "RESUME", "ops.keystatus", "policies.newest"))
+                      readers=("ops.keystatus", "run.lost", "policies.newest"))
     worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
-                   readers=("ACQUIRE", "RESUME", "ops.keystatus"))
+                   readers=("ops.keystatus", "run.lost"))
     host = Field(TEXT, "the holder's host", writers=("ACQUIRE",),
                  readers=("ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),

@@ -103,14 +103,12 @@ class Settlement:
     ``ours``: the lease was this run's (False: it had run out and another run took the key).
     ``handoff``: the message of the parked run now handed the key, to send to the broker.
     ``joined``: the messages of runs that joined this one, to answer with its result (or error).
-    ``dead``: a hand-on's slot was held by a run whose lease ran out unreleased (its worker died):
-    its result is to be ended (FAILURE, ``RunLost``). Truthy when ``ours``.
+    Truthy when ``ours``.
     """
 
     ours: bool
     handoff: str | None = None
     joined: tuple[str, ...] = ()
-    dead: DeadHolder | None = None
 
     def __bool__(self) -> bool:
         return self.ours

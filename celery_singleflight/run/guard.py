@@ -32,6 +32,7 @@ from ..protocol.replies import Acquired, Held, Holder, Settlement
 from ..protocol.store import LeaseStore, store_for
 from .heartbeat import Heartbeat, heartbeat_for
 from .lease import Lease
+from .lost import end_dead_holder
 from .progress import ProgressReporter, ProgressUpdate
 from .settle import NO_RESULT, Ending, settle
 
@@ -104,8 +105,11 @@ class Guard:
         # and the second run renews the lease: see protocol/lua/lease/acquire.lua)
         self._asked = last_attempt_sent(asked)
         if isinstance(got, Held) and got.handoff is not None:
-            settle(self.app, Settlement(True, got.handoff, dead=got.dead),
+            settle(self.app, Settlement(True, got.handoff),
                    Ending(self.key, self.sender, self.holder.task_id, "handed-on", signal=False))
+            if got.dead is not None:  # the slot's holder died with runs parked behind it
+                dead = got.dead
+                end_dead_holder(self.app, self.key, dead.task_id, dead.worker, dead.task_name)
         return got
 
     def begin(self, got: Acquired) -> Lease:

@@ -5,9 +5,7 @@ and answers with a :class:`~..protocol.replies.Settlement`: the parked run now h
 must be sent), and the runs that joined the ended run (they must get its result or error).
 :func:`settle` does both, then logs and signals the release. Every path calls it: a task's end,
 a ``hold()``'s end, ``self.retry()``, the worker's main process for a dead child or a revoke, the
-queue sweeper, a force-release, and an acquire that found the key free but handed it on. A
-hand-on whose slot was held by a run that died (its lease ran out unreleased) also ends that
-run's result (FAILURE, :class:`~..errors.RunLost`).
+queue sweeper, a force-release, and an acquire that found the key free but handed it on.
 
 Joined runs are answered as if they had run: the result (or error) is stored under their own
 task id, so ``AsyncResult.get()`` returns the holder's value or raises its error, a
@@ -31,7 +29,6 @@ from .. import signals
 from ..errors import LeaseLost
 from ..protocol.replies import Settlement
 from .events import send_task_event
-from .lost import end_dead_holder
 from .messages import rejoined
 
 __all__ = ["NO_RESULT", "Ending", "answer_joined", "send_parked", "settle"]
@@ -78,13 +75,9 @@ class Ending:
 
 
 def settle(app: Any, settlement: Settlement, ending: Ending) -> None:
-    """Send the handed-on parked run, answer the joined runs, end the run that died holding the
-    slot handed on, then log and signal the release."""
+    """Send the handed-on parked run, answer the joined runs, then log and signal the release."""
     if settlement.handoff is not None:
         send_parked(app, settlement.handoff, ending.key)
-    if settlement.dead is not None:
-        dead = settlement.dead
-        end_dead_holder(app, ending.key, dead.task_id, dead.worker, dead.task_name)
     if settlement.joined and ending.rerun_joined:
         for message in settlement.joined:
             send_parked(app, rejoined(message), ending.key)

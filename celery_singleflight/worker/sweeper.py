@@ -26,6 +26,7 @@ from ..errors import LeaseLost, ProtocolMismatch
 from ..policies import STAGES
 from ..protocol.store import LeaseStore
 from ..run.guard import options_store
+from ..run.lost import end_dead_holders
 from ..run.settle import Ending, answer_orphaned_joined, settle
 from ..run.stage import Sweep
 from .registry import guarded_tasks
@@ -78,6 +79,7 @@ class HandOn(Sweep):
     def sweep_once(self) -> int:
         sent = 0
         for key in self.store.handoff.due_waiting():
+            before = self.store.reads.snapshots([(key, slot) for slot in range(self.slots)])
             try:
                 found = self.store.handoff.resume(key, self.ttl, self.slots)
             except ProtocolMismatch as exc:
@@ -89,6 +91,7 @@ class HandOn(Sweep):
                 log.warning("key=%r was free with runs parked (its holder ended without handing it on);"
                             " sending the next one", key)
                 sent += 1
+            end_dead_holders(self.app, key, [record for record, _, _ in before], before[0][2])
             settle(self.app, found, Ending(
                 key, "sweeper", "<gone>", "lost", signal=False,
                 error=LeaseLost(key, "the run it joined ended without a result (its worker was lost)"),

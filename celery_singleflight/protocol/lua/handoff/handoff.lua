@@ -108,11 +108,3 @@ local function taken_before(adopted, handoff, recs, n, now)
   end
   return true
 end
--- ACQUIRE, RESUME: the run whose lease ran out unreleased on the slot handed on (its worker died):
--- {task id, worker, task name}, empty strings if the slot's run ended as it should
-local function dead_holder(r, now)
-  if expired(r, now) then
-    return {r.task_id or '', r.worker or '', r.task_name or ''}
-  end
-  return {'', '', ''}
-end

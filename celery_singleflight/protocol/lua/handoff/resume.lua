@@ -12,20 +12,18 @@
 -- ARGV[3] - a call id unique to this check (a second run of it answers the same)
 -- ARGV[4] - how long a record outlives its lease, milliseconds
 -- return {NOTHING_WAITS}; {ALL_HELD, ms until a lease runs out} (check again then);
---        {HANDED_ON, reservation ms, message or '', the dead holder's task id, worker and task name
---        (or three ''), orphaned joined runs...} if a slot was free;
+--        {HANDED_ON, reservation ms, message or '', orphaned joined runs...} if a slot was free;
 --        {FOREIGN, version} if a record was written by another protocol version
 local n, ttl, by = tonumber(ARGV[2]), tonumber(ARGV[1]), ARGV[3]
 local queue, parked, joined, settled, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4], KEYS[n + 5]
 local recs = records(n)
 for i = 1, n do
   if recs[i] and recs[i].reserved and recs[i].by == by then -- this call ran before
-    return append({HANDED_ON, ttl, redis.call('HGET', parked, recs[i].task_id) or '', '', '', ''},
-      settled_for(settled, by))
+    return append({HANDED_ON, ttl, redis.call('HGET', parked, recs[i].task_id) or ''}, settled_for(settled, by))
   end
 end
 if redis.call('HEXISTS', settled, by) == 1 then
-  return append({HANDED_ON, ttl, '', '', '', ''}, settled_for(settled, by))
+  return append({HANDED_ON, ttl, ''}, settled_for(settled, by))
 end
 if redis.call('LLEN', queue) == 0 and redis.call('LLEN', joined) == 0 then
   return {NOTHING_WAITS}
@@ -39,7 +37,7 @@ local slot, _, left = scan(recs, n, now)
 if not slot then
   return {ALL_HELD, math.max(left, 0)}
 end
-local out = append({HANDED_ON, ttl, ''}, dead_holder(recs[slot], now))
+local out = {HANDED_ON, ttl, ''}
 if expired(recs[slot], now) then
   forget_dead(marker, recs[slot])
 end
@@ -51,7 +49,7 @@ if slot == 1 then -- joined runs only exist with one slot: their holder is gone
   end
 end
 out[3] = hand_off(slot, n, recs, queue, parked, now, ttl, tonumber(ARGV[4]), by, false, marker) or ''
-if out[3] == '' and #out == 6 then
+if out[3] == '' and #out == 3 then
   return {ALL_HELD, ttl}
 end
 return out

@@ -59,10 +59,11 @@ if not slot then
   end
   if waiting then
     local mine = handoff ~= '' and id .. '|' .. handoff
-    local dead = dead_holder(recs[slot], now) -- its holder died: the caller ends its run
+    local dead = expired(recs[slot], now) and recs[slot] -- its holder died: the caller ends its run
     local msg = hand_off(slot, n, recs, queue, parked, now, ttl, keep, token, mine, marker)
     if msg then
-      return append({HANDED_ON, recs[slot].task_id, ttl, msg}, dead)
+      return {HANDED_ON, recs[slot].task_id, ttl, msg, dead and dead.task_id or '', dead and dead.worker or '',
+        dead and dead.task_name or ''}
     end
     waiting = redis.call('LLEN', queue) > 0
   end
