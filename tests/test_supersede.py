@@ -177,7 +177,8 @@ def test_the_revoke_happens_even_if_the_newcomers_process_died_before_indexing_i
     layout = store.layout
     # what SUPERSEDE does in the newcomer's process, without the index entry that follows it
     store.ctx.script(COALESCE)(
-        keys=[layout.run(key), layout.queue(key), layout.parked(key), layout.coalesce(key)],
+        keys=[layout.run(key), layout.queue(key), layout.parked(key), layout.coalesce(key),
+              layout.adopted(key)],
         args=[f"{newcomer_id}|{handoff}", message, "supersede", 1, "", 2000, "SIGTERM"])
     assert store.client.zscore(layout.superseding(), key) is None
     wait_for(lambda: store.client.zscore(layout.superseding(), key), timeout=5)  # the holder's heartbeat

@@ -129,7 +129,8 @@ class HandoffCalls(Feature):
         index, due when the holder's lease would run out."""
         layout = self.ctx.layout
         reply = self.ctx.script(PARK)(
-            keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key)],
+            keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
+                  layout.key(ADOPTED, key)],
             args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
         )
         code = int(reply[0])

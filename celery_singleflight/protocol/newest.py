@@ -21,7 +21,7 @@ from typing import Any
 from .. import constants
 from .context import Feature, due_ms, ms, text
 from .fields import MS, TEXT, Field, RecordBase, json_member, member
-from .handoff import OWN_COPY, PARKED, QUEUE, WAITING
+from .handoff import ADOPTED, OWN_COPY, PARKED, QUEUE, WAITING
 from .layout import Part, duration
 from .lua import Replies, Script, Template
 
@@ -140,7 +140,7 @@ class NewestCalls(Feature):
         layout = self.ctx.layout
         reply = self.ctx.script(COALESCE)(
             keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
-                  layout.key(BOOK, key)],
+                  layout.key(BOOK, key), layout.key(ADOPTED, key)],
             args=[f"{task_id}|{handoff}", message, keep, slots, stamp, ms(supersede_grace), supersede_signal],
         )
         code = int(reply[0])

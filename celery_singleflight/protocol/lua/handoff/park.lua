@@ -2,6 +2,7 @@
 -- KEYS[1..n] - the key's run records
 -- KEYS[n+1] - queue of parked runs
 -- KEYS[n+2] - parked messages
+-- KEYS[n+3] - hand-off tokens of parked runs that took their slot (ADOPTED)
 -- ARGV[1] - the entry 'task id|handoff token'
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - the most runs that may wait (-1: no limit)
@@ -14,10 +15,19 @@
 -- return {FREE} if a slot is free (acquire again), {QUEUE_FULL, length} if the queue is full,
 --        {PARKED, position, ms until the first holder's lease runs out} once parked
 local n = tonumber(ARGV[4])
-local queue, parked = KEYS[n + 1], KEYS[n + 2]
+local queue, parked, adopted = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
 local sep = string.find(ARGV[1], '|', 1, true)
-local id, own = string.sub(ARGV[1], 1, sep - 1), is_own_copy(string.sub(ARGV[1], sep + 1))
+local id, token = string.sub(ARGV[1], 1, sep - 1), string.sub(ARGV[1], sep + 1)
+local own = is_own_copy(token)
 local now = clock()
+-- a second run of this call whose first run parked the run, which may have been handed the key
+-- and taken it since (its token is then adopted): it answers PARKED, never FREE, so that the
+-- caller does not run it a second time
+if redis.call('ZSCORE', adopted, token) or (not own and redis.call('HGET', parked, id)) then
+  local _, _, ms_left = scan(records(n), n, now)
+  local found = redis.call('LPOS', queue, ARGV[1])
+  return {PARKED, found and found + 1 or 1, math.max(ms_left, 0)}
+end
 local recs, left = all_held(n, now)
 if not recs then
   return {FREE}

@@ -5,6 +5,7 @@
 -- KEYS[n+2] - parked messages
 -- KEYS[n+3] - the newest book (hash: 's:<id>' -> send stamp of the pending run, 'o:<id>' -> JSON
 --             list of the messages of runs it replaced, until they are answered)
+-- KEYS[n+4] - hand-off tokens of parked runs that took their slot (ADOPTED)
 -- ARGV[1] - the entry 'task id|handoff token'
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - 'last' (a newer duplicate replaces the pending run), 'first' (it is dropped), or
@@ -26,16 +27,21 @@
 --        {GIVES_WAY, task id} if this run gives way to the pending run, or to a run sent after it
 --        that is pending or started already (it does not run)
 local n, mode = tonumber(ARGV[4]), ARGV[3]
-local queue, parked, book = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
+local queue, parked, book, adopted = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
 local sep = string.find(ARGV[1], '|', 1, true)
 local id, stamp = string.sub(ARGV[1], 1, sep - 1), ARGV[5]
 local now = clock()
+-- a second run of this call: the run is pending, or was handed the key and took it since (its
+-- token is adopted); it answers PENDING with the runs it replaced, never FREE, so that the caller
+-- does not run it a second time
+if redis.call('HGET', parked, id) or redis.call('ZSCORE', adopted, string.sub(ARGV[1], sep + 1)) then
+  local recs = records(n)
+  local _, _, left = scan(recs, n, now)
+  return append({PENDING, math.max(left, 0), recs[1] and recs[1].sup_due or ''}, owed(book, id))
+end
 local recs, left = all_held(n, now)
 if not recs then
   return {FREE}
-end
-if redis.call('HGET', parked, id) then
-  return append({PENDING, left, recs[1].sup_due or ''}, owed(book, id))
 end
 local newer = newer_run(book, stamp, id) -- sent after this run, and pending or started already
 if newer then
