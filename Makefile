@@ -17,7 +17,7 @@ HIGHEST := .venv-highest
 LOWEST_STAMP := $(LOWEST)/.installed-core
 HIGHEST_STAMP := $(HIGHEST)/.installed-core
 
-.PHONY: demo test test-versions docs bench clean
+.PHONY: demo test test-versions docs bench clean model
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -71,6 +71,11 @@ define core_tests
 	  "kombu", kombu.__version__, "billiard", billiard.__version__, "redis-py", redis.__version__)'
 	$(1)/bin/pytest -m core --durations=5 $(CORE_FILES)
 endef
+
+# the lease protocol's model, checked by SPIN (Debian: spin, gcc); also part of make test
+# (tests/test_model.py); --seed NAME removes one safeguard, --trail CONFIG prints a counterexample
+model:
+	python3 model/check.py
 
 # the version matrix alone
 test-versions: $(LOWEST_STAMP) $(HIGHEST_STAMP)
