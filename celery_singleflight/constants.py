@@ -9,7 +9,8 @@ column from here (:mod:`.protocol.layout`), and nothing else spells them.
 from __future__ import annotations
 
 __all__ = [
-    "ACQUIRE_ATTEMPTS", "ADOPTED_KEEP", "CLIENT_BACKOFF_BASE", "CLIENT_BACKOFF_CAP", "CLIENT_HEALTH_CHECK",
+    "ACQUIRE_ATTEMPTS", "ADOPTED_KEEP", "ANSWER_GRACE", "CLIENT_BACKOFF_BASE", "CLIENT_BACKOFF_CAP",
+    "CLIENT_HEALTH_CHECK",
     "CLIENT_RETRIES", "CONNECT_TIMEOUT", "DEBOUNCE_CLOSED_KEEP", "DEBOUNCE_GRACE", "DEBOUNCE_LEADER_EARLY",
     "DELAYING_OPTIONS",
     "DELAYED_GRACE", "DELAYED_KEEP", "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
@@ -30,6 +31,9 @@ __all__ = [
 REPLAY_WINDOW = 30.0
 #: how long joined runs handed to a releaser stay readable for a replay of that release
 SETTLE_KEEP = 120.0
+#: how long a releaser may take to answer the runs joined to its run before a sweeper answers
+#: those still waiting (its whole worker was lost between the release and the answers)
+ANSWER_GRACE = 10.0
 #: how many fences of runs whose lease ran out a record remembers (``lost``)
 LOST_KEPT = 8
 

@@ -68,6 +68,12 @@
 #ifndef RESTORES
 #define RESTORES 0
 #endif
+#ifndef OLDER
+#define OLDER 1             /* a restore may bring back an older snapshot (else: empty only) */
+#endif
+#ifndef IGNORE_RESULT
+#define IGNORE_RESULT 0     /* the task keeps no result state (nothing to read at a hand-off) */
+#endif
 #ifndef RETRIES
 #define RETRIES 1
 #endif
@@ -130,6 +136,7 @@ typedef Redis {
   byte j[RUNS];       /* joined runs */
   byte jlen;
   byte settled[NTOK]; /* release token -> the joined runs it took (a bit per task id) */
+  bit taken[NTOK];    /* settled 'a:<token>': not yet made sure answered by a sweeper */
   byte adopted[NTOK]; /* ADOPTED: hand-off token -> fence of the run that adopted its slot (0: none) */
   byte latest;        /* newest book 'latest': stamp of the latest-sent pending or started run */
   byte owed[RUNS];    /* newest book 'o:<id>': runs replaced by id, not answered yet */
@@ -162,7 +169,9 @@ byte losses = LOSSES, deaths = DEATHS, pauses = PAUSES, slow = SLOW, restores = 
 bit restored;
 byte lastpark[RUNS];      /* the hand-off token of the run's last park (its journal line has it) */
 byte owes[RUNS];          /* a joined run taken by a release: that release's token, until it answers */
-bit jnl[RUNS];            /* the journal of the worker node that parked, joined or made it pending */
+bit jnl[RUNS];
+bit late[RUNS];           /* its journal line was written within LATE_LINE_GRACE after a loss */
+bit lossseen;             /* the recovery saw a loss (it remembers when) */            /* the journal of the worker node that parked, joined or made it pending */
 bit seenlife;             /* the journal's worker: epoch at its last look */
 byte seencount;
 #if RESTORES > 0
@@ -351,7 +360,7 @@ inline RELEASE(me, r, slot, fence, rep, other, answered) {
        if
        :: R.s[slot].joined ->
           for (i : 0 .. RUNS - 1) { if :: i < R.jlen -> answered = answered | BIT(R.j[i]); R.j[i] = 0 :: else -> skip fi }
-          R.jlen = 0; R.settled[me] = answered; R.s[slot].joined = 0;
+          R.jlen = 0; R.settled[me] = answered; R.taken[me] = 1; R.s[slot].joined = 0;
           for (i : 0 .. RUNS - 1) { if :: (answered & BIT(i)) != 0 -> owes[i] = me :: else -> skip fi }
        :: else -> skip
        fi;
@@ -567,14 +576,14 @@ duplicate: skip;
      if :: atomic { losses > 0 -> losses--; PARK(r, ht, rep); printf("run %d: PARK again (reply lost) -> %e\n", r, rep) } :: skip fi;
      if
      :: rep == FREE -> goto acquire
-     :: else -> jnl[r] = 1; goto done
+     :: else -> jnl[r] = 1; goto done   /* its journal line, after it parked */
      fi
   :: POLICY(r) == JOIN ->
      atomic { WAITS(r); JOIN_(r, rep); printf("run %d: JOIN -> %e\n", r, rep) }
      if :: atomic { losses > 0 -> losses--; JOIN_(r, rep); printf("run %d: JOIN again (reply lost) -> %e\n", r, rep) } :: skip fi;
      if
      :: rep == FREE -> goto acquire
-     :: else -> jnl[r] = 1; goto done
+     :: else -> jnl[r] = 1; goto done   /* its journal line, after it parked */
      fi
   :: POLICY(r) == COALESCE || POLICY(r) == SUPERSEDE ->
      atomic { NEWTOKEN(ht, r); lastpark[r] = ht; WAITS(r); COALESCE_(r, ht, POLICY(r) == SUPERSEDE, rep, answered);
@@ -594,6 +603,14 @@ duplicate: skip;
      fi
   fi;
 running: skip;
+  if
+  :: h != 0 && out[r] == O_DONE && !IGNORE_RESULT ->
+     /* policies.recovered: a hand-off of a run that succeeded already is not run again (an older
+        snapshot brought its parked entry back) */
+     printf("run %d: handed the key, but it succeeded already: not run again\n", r);
+     goto release
+  :: else -> skip
+  fi;
   d_step {
     /* P5: a body runs once, unless an earlier one was lost with its worker */
     ran[r]++; assert(ran[r] <= 1 || ranout[r]);
@@ -694,6 +711,12 @@ end:
 /* a journal line to settle: its run no longer waits in Redis, and no live release owes it an answer */
 #define UNSETTLED(r) (jnl[r] && !IN_REDIS(r) && (owes[r] == 0 || gone[owes[r]]))
 
+/* a release took joined runs and its worker is gone (the tokens are few: the first ones) */
+#define ORPHANED ((R.taken[1] && gone[1]) || (R.taken[2] && gone[2]) || (R.taken[3] && gone[3]) || \
+  (R.taken[4] && gone[4]) || (R.taken[5] && gone[5]) || (R.taken[6] && gone[6]) || \
+  (R.taken[7] && gone[7]) || (R.taken[8] && gone[8]) || (R.taken[9] && gone[9]) || \
+  (R.taken[10] && gone[10]) || (R.taken[11] && gone[11]) || (R.taken[12] && gone[12]))
+
 proctype Sweeper() {
   byte call, other, answered, r;
   bit lost;
@@ -728,28 +751,50 @@ end:
      od;
      skip;
      d_step { call = 0; other = 0; answered = 0; r = 0 }
-  :: atomic { (looks > 0 || UNSETTLED(0) || (RUNS > 1 && UNSETTLED(1)) || (RUNS > 2 && UNSETTLED(2))) -> if :: looks > 0 -> looks-- :: else -> skip fi };
-     /* EPOCH: one more look, compared with this worker's last */
-     printf("recovery: looks at the epoch\n");
-     d_step {
+  :: d_step {
+       /* the key's look, ANSWER_GRACE after a release took joined runs: those still waiting
+          are answered (worker/sweeper.py _unanswered); a live releaser answers them first */
+       ORPHANED;
+       for (k : 1 .. NTOK - 1) {
+         if
+         :: R.taken[k] && gone[k] ->
+            for (i : 0 .. RUNS - 1) {
+              if :: (R.settled[k] & BIT(i)) != 0 && !TERMINAL(out[i]) -> out[i] = O_ANSWERED :: else -> skip fi
+            }
+            R.taken[k] = 0
+         :: else -> skip
+         fi
+       }
+       printf("sweeper: answers the joined runs a lost releaser took\n")
+     }
+  :: atomic {
+       (looks > 0 || UNSETTLED(0) || (RUNS > 1 && UNSETTLED(1)) || (RUNS > 2 && UNSETTLED(2))) ->
+       if :: looks > 0 -> looks-- :: else -> skip fi;
+       /* EPOCH: one more look, compared with this worker's last; the journal's reads of Redis
+          are confirmed by a look after them (worker/recovery.py settle), so they count as read
+          at the look */
+       printf("recovery: looks at the epoch\n");
        R.count++;
        lost = (R.life != seenlife || R.count <= seencount);
-       seenlife = R.life; seencount = R.count
+       if :: lost -> lossseen = 1 :: else -> skip fi;
+       seenlife = R.life; seencount = R.count;
+       r = 0;
+       do
+       :: r < RUNS ->
+          if
+          :: UNSETTLED(r) ->
+             jnl[r] = 0; printf("recovery: run %d no longer waits in Redis (data lost: %d)\n", r, lost);
+             if
+             :: (lost || (lossseen && late[r])) && out[r] == O_WAITING -> run Run(r, lastpark[r], 1)
+             :: else -> skip
+             fi
+          :: else -> skip
+          fi;
+          r++
+       :: else -> break
+       od;
+       lost = 0; r = 0
      }
-     r = 0;
-     do
-     :: r < RUNS ->
-        if
-        :: UNSETTLED(r) ->
-           jnl[r] = 0; printf("recovery: run %d no longer waits in Redis (data lost: %d)\n", r, lost);
-           if :: lost && out[r] == O_WAITING -> run Run(r, lastpark[r], 1) :: else -> skip fi
-        :: else -> skip
-        fi;
-        r++
-     :: else -> break
-     od;
-     skip;
-     d_step { lost = 0; r = 0 }
   od
 }
 
@@ -763,7 +808,7 @@ inline COPY_DB(to, from) {
   for (i : 0 .. RUNS - 1) {
     to.q[i] = from.q[i]; to.j[i] = from.j[i]; to.ptok[i] = from.ptok[i]; to.owed[i] = from.owed[i]
   }
-  for (i : 0 .. NTOK - 1) { to.settled[i] = from.settled[i]; to.adopted[i] = from.adopted[i] }
+  for (i : 0 .. NTOK - 1) { to.settled[i] = from.settled[i]; to.adopted[i] = from.adopted[i]; to.taken[i] = from.taken[i] }
   to.qlen = from.qlen; to.jlen = from.jlen; to.latest = from.latest;
   to.life = from.life; to.count = from.count
 }
@@ -774,17 +819,29 @@ inline EMPTY_DB() {
     R.s[i].waiting = 0; R.s[i].joined = 0; R.s[i].sup = 0; R.s[i].rt = 0; R.s[i].by = 0; R.s[i].lost = 0
   }
   for (i : 0 .. RUNS - 1) { R.q[i] = 0; R.j[i] = 0; R.ptok[i] = 0; R.owed[i] = 0 }
-  for (i : 0 .. NTOK - 1) { R.settled[i] = 0; R.adopted[i] = 0 }
+  for (i : 0 .. NTOK - 1) { R.settled[i] = 0; R.adopted[i] = 0; R.taken[i] = 0 }
   R.qlen = 0; R.jlen = 0; R.latest = 0; R.count = 0
+}
+
+/* a run in its body when Redis lost its data lost its lease as if it ran out: it may run again
+   (its first body learns it at its next renewal; fences order their writes) */
+inline LEASES_GONE() {
+  for (i : 0 .. RUNS - 1) {
+    if :: inbody[i] || out[i] == O_RUNNING -> ranout[i] = 1 :: else -> skip fi;
+    /* waiting, its journal line not written yet: written after the loss, within the grace */
+    if :: out[i] == O_WAITING && !jnl[i] -> late[i] = 1 :: else -> skip fi
+  }
 }
 
 /* Redis restarts: from the snapshot (older data), or empty (a new life of the epoch) */
 proctype Disaster() {
 end:
   do
+#if OLDER
   :: restores > 0 && !snapped -> d_step { COPY_DB(S, R); snapped = 1 }; printf("redis: snapshot\n")
-  :: restores > 0 && snapped -> d_step { restores--; COPY_DB(R, S); restored = 1 }; printf("redis: restored from the snapshot\n")
-  :: restores > 0 -> d_step { restores--; tmp = R.life; EMPTY_DB(); R.life = !tmp; restored = 1 }; printf("redis: restarted empty\n")
+  :: restores > 0 && snapped -> d_step { restores--; COPY_DB(R, S); restored = 1; LEASES_GONE() }; printf("redis: restored from the snapshot\n")
+#endif
+  :: restores > 0 -> d_step { restores--; tmp = R.life; EMPTY_DB(); R.life = !tmp; restored = 1; LEASES_GONE() }; printf("redis: restarted empty\n")
   od
 }
 

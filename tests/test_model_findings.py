@@ -1,7 +1,9 @@
 """Protocol defects the model of the lease protocol found (model/lease.pml, docs/guarantees.md),
-each replayed on a real Redis: a script call whose reply was lost is sent again after the run it
-parked was handed the key, or after the key fell free. The second run must answer as the first
-did (the run waits), never "free" or a second park, or the run would run twice.
+each replayed on a real Redis. A script call whose reply was lost is sent again after the run it
+parked was handed the key, or after the key fell free: the second run must answer as the first
+did (the run waits), never "free" or a second park, or the run would run twice. A hand-off that
+an older snapshot brought back must not run a run that already succeeded. (Joined runs whose
+releaser's whole worker was lost: tests/test_orphaned_joined.py.)
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
 from celery_singleflight.protocol.handoff import QUEUE
 from celery_singleflight.protocol.replies import Acquired, Holder, Parked
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
+from celery_singleflight.run.messages import HEADER_HANDOFF
 from celery_singleflight.testing import RedisServer
 
 
@@ -80,3 +84,22 @@ def test_a_coalesce_sent_again_after_its_run_took_the_key_is_pending_once(store:
     again = store.newest.coalesce("k", "new", handoff, '{"m": "new"}', "last", "2")
     assert again == ('{"m": "old"}',)
     assert _queue(store, "k") == []
+
+
+@pytest.mark.worker
+def test_a_hand_off_of_a_run_that_succeeded_does_not_run_it_again(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """The lease Redis came back from a snapshot taken while a run was parked, after the run had
+    been handed the key and succeeded: the snapshot has its entry and message, but not the token
+    that adopted its slot, so the next hand-off sends it again (found by the model). Its start
+    finds it SUCCESS already and does not run it; its result stays."""
+    q = start_worker(concurrency=1).queue  # type: ignore[operator]
+    first = sfapp.queued.apply_async(("stale", 1, 0.01), queue=q)
+    assert first.get(timeout=30) == 1
+    # what that hand-off sends: the run's own message, with a hand-off token
+    sfapp.queued.apply_async(("stale", 1, 0.01), task_id=first.id, queue=q,
+                             headers={HEADER_HANDOFF: uuid.uuid4().hex})
+    assert sfapp.queued.apply_async(("stale", 2, 0.01), queue=q).get(timeout=30) == 2  # one pool process
+    assert [int(n) for n in sfapp.recorder.lrange("order:stale", 0, -1)] == [1, 2]
+    assert sfapp.queued.AsyncResult(first.id).get(timeout=5) == 1

@@ -18,7 +18,7 @@ import pytest
 from billiard.exceptions import WorkerLostError
 from celery.result import AsyncResult
 
-from celery_singleflight import LeaseLost
+from celery_singleflight import LeaseLost, constants
 from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.worker.bootstep import release_for_ended_child
 from celery_singleflight.worker.sweeper import Sweeper, sweeps_for
@@ -86,3 +86,54 @@ def test_the_sweeper_answers_them_when_the_whole_worker_died(sfapp: ModuleType) 
     assert Sweeper(sfapp.app, sweeps_for(sfapp.app)).sweep_once() == 1
     answered = AsyncResult(joiner, app=sfapp.app)
     assert answered.state == "FAILURE" and isinstance(answered.result, LeaseLost)
+
+
+def test_the_sweeper_answers_them_when_the_whole_worker_died_with_nothing_parked(
+    sfapp: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole worker was killed right after the release, and nothing was parked: no hand-off
+    reveals the loss (found by the model of the protocol: the joined run stayed JOINED). The
+    key's look, planned when the run joined, answers it once the release is ANSWER_GRACE old,
+    and looks again until then."""
+    monkeypatch.setattr(constants, "ANSWER_GRACE", 0.5)
+    task = sfapp.app.tasks[sfapp.joined.name]
+    store = task.store
+    key = task.render_key("orphan-alone", "v")
+    holder_id, token = f"holder-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    got = store.acquire(key, token, 30.0, Holder(task_id=holder_id, pid=dead_pid()))
+    assert isinstance(got, Acquired)
+    joiner = str(uuid.uuid4())
+    task.backend.store_result(joiner, {"key": key, "holder": holder_id}, "JOINED")
+    assert store.handoff.join(key, json.dumps(dict(task.s("orphan-alone", "w").set(task_id=joiner))))
+    settlement = store.release(key, token, "succeeded", 30.0, fence=got.fence, task_id=holder_id)
+    assert len(settlement.joined) == 1  # taken, and never answered: the worker is gone
+    sweeper = Sweeper(sfapp.app, sweeps_for(sfapp.app))
+    store.client.zadd(store.layout.waiting(), {key: 0})  # its look is due now
+    sweeper.sweep_once()
+    assert AsyncResult(joiner, app=sfapp.app).state == "JOINED"  # a live releaser may still answer
+    assert store.client.zscore(store.layout.waiting(), key) is not None  # looked at again
+    time.sleep(0.6)
+    store.client.zadd(store.layout.waiting(), {key: 0})
+    sweeper.sweep_once()
+    answered = AsyncResult(joiner, app=sfapp.app)
+    assert answered.state == "FAILURE" and isinstance(answered.result, LeaseLost)
+    assert list(store.handoff.taken_joined(key)) == [token]  # kept for a replay of that release
+
+
+def test_a_joined_run_its_releaser_answered_is_left_as_it_is(sfapp: ModuleType,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweeper's look after the grace answers only runs still waiting."""
+    monkeypatch.setattr(constants, "ANSWER_GRACE", 0.0)
+    task = sfapp.app.tasks[sfapp.joined.name]
+    store = task.store
+    key = task.render_key("orphan-answered", "v")
+    token = uuid.uuid4().hex
+    got = store.acquire(key, token, 30.0, Holder(task_id="holder", pid=dead_pid()))
+    assert isinstance(got, Acquired)
+    joiner = str(uuid.uuid4())
+    assert store.handoff.join(key, json.dumps(dict(task.s("orphan-answered", "w").set(task_id=joiner))))
+    store.release(key, token, "succeeded", 30.0, fence=got.fence, task_id="holder")
+    task.backend.mark_as_done(joiner, {"value": "from the holder"})
+    store.client.zadd(store.layout.waiting(), {key: 0})
+    Sweeper(sfapp.app, sweeps_for(sfapp.app)).sweep_once()
+    assert AsyncResult(joiner, app=sfapp.app).result == {"value": "from the holder"}

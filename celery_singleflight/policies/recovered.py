@@ -34,6 +34,8 @@ __all__ = ["JournalOptions", "Recovered", "already_placed"]
 
 log = logging.getLogger("celery_singleflight.queue")
 
+#: the states of a run that ended and must not run again: a hand-off of it is dropped
+_ENDED = frozenset({celery_states.SUCCESS, celery_states.REVOKED})
 #: the states of a run that started (or ended): a recovered copy of it is dropped
 _STARTED = frozenset({*celery_states.READY_STATES, celery_states.STARTED, PROGRESS})
 
@@ -89,7 +91,8 @@ def already_placed(run: Run) -> str | None:
 
 class Recovered(Stage):
     """The stage every guarded task has: a run sent again by the recovery goes on only if it
-    has not started elsewhere meanwhile."""
+    has not started elsewhere meanwhile; a hand-off of a run that already succeeded (a lease
+    Redis back from an older snapshot still had it parked) does not run it again."""
 
     options = JournalOptions
 
@@ -108,7 +111,27 @@ class Recovered(Stage):
                  run.task.name, run.task_id, run.key, why)
         raise Ignore()
 
+    @staticmethod
+    def drop_a_stale_hand_off(run: Run) -> None:
+        """Raise Ignore (its result stays) if the run this hand-off carries already succeeded or
+        was revoked: an older snapshot of the lease Redis brought back its parked entry, and the
+        token that adopted its slot is not in that snapshot (found by the model of the protocol).
+        One read of the result backend per hand-off, where it keeps state."""
+        task = run.task
+        if isinstance(task.backend, DisabledBackend) or task.ignore_result or run.request.ignore_result:
+            return
+        try:
+            state = task.backend.get_task_meta(run.task_id).get("status")
+        except Exception:  # noqa: BLE001 - any backend's error: the run goes on, as before
+            return
+        if state in _ENDED:
+            log.warning("%s[%s] on key=%r: handed the key, but it is %s already (the lease Redis came back"
+                        " with older data): not run again", task.name, run.task_id, run.key, state)
+            raise Ignore()
+
     def on_start(self, run: Run) -> Ended | None:
+        if run.handoff and not run.eager:
+            self.drop_a_stale_hand_off(run)
         token = "" if run.eager else str(header(run.request, HEADER_RECOVERED_HANDOFF) or "")
         if not token or run.guard is None or run.lease is None:
             return None

@@ -31,12 +31,15 @@ from .replies import Parked, Settlement
 
 __all__ = [
     "ADOPTED", "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME",
+    "TAKEN",
     "SCRIPTS", "SETTLED", "WAITING", "ForceReleaseReply", "HandoffCalls", "HandoffFields", "JoinReply",
     "ParkReply", "ResumeReply",
 ]
 
 #: handoff token prefix of the copy a turned-away redelivery parks behind its own run
 OWN_COPY = "own-"
+#: in ``settled``, the field that says when each release took joined runs (JSON: token -> ms)
+TAKEN = "taken"
 
 QUEUE = Part("queue", "list of `task id\\|handoff token`", "none",
              "the `queue` policy's FIFO (an entry leaves when its run adopts the key); a turned-away"
@@ -45,7 +48,8 @@ PARKED = Part("parked", "hash: task id → message", "none",
               "the re-sendable messages of parked runs")
 JOINED = Part("joined", "list of messages", "none",
               "the `join` policy: runs waiting for the holder's result")
-SETTLED = Part("settled", "hash: token → joined messages", duration(constants.SETTLE_KEEP),
+SETTLED = Part("settled", "hash: token → joined messages, `taken`",
+               duration(constants.SETTLE_KEEP),
                "joined runs handed to a release, for its replay")
 ADOPTED = Part("adopted", "sorted set: handoff token → when its run took its slot (ms)",
                f"{duration(constants.ADOPTED_KEEP)} after its last change",
@@ -99,7 +103,7 @@ class ForceReleaseReply(Replies):
 
 
 _LIBS = ("shared/common.lua", "handoff/handoff.lua")
-_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY}
+_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY, "TAKEN": TAKEN}
 
 PARK = Script("PARK", "handoff/park.lua", _LIBS, replies=(ParkReply,), constants=_LUA)
 JOIN = Script("JOIN", "handoff/join.lua", _LIBS, replies=(JoinReply,), constants=_LUA)
@@ -182,6 +186,15 @@ class HandoffCalls(Feature):
         if code != ResumeReply.HANDED_ON:
             return None
         return _settlement(reply, 2)
+
+    def taken_joined(self, key: str) -> dict[str, int]:
+        """The recent releases of ``key`` that took joined runs: release token -> when (server ms)."""
+        raw = self.ctx.client.hget(self.ctx.layout.key(SETTLED, key), TAKEN)
+        return {} if raw is None else {str(token): int(at) for token, at in json.loads(raw).items()}
+
+    def look_again(self, key: str, seconds: float) -> None:
+        """Have the sweeper look at ``key`` again in ``seconds`` (or sooner)."""
+        self._waiting_due(key, seconds)
 
     def due_waiting(self, limit: int = 100) -> list[str]:
         """Keys of this namespace whose look is due."""

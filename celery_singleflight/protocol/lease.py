@@ -27,7 +27,7 @@ from .. import constants
 from ..connection.cluster import call_per_slot, slot_of
 from .context import Context, Feature, ms, text, texts
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
-from .handoff import ADOPTED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED
+from .handoff import ADOPTED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED, TAKEN
 from .layout import Layout
 from .lua import Replies, Script
 from .marks import ENQUEUED
@@ -66,6 +66,7 @@ RELEASE_CALL = Call(("token", "outcome", "slot", "clear"), ("fence", "reservatio
 
 #: the constants every script of the protocol may use
 LUA: dict[str, int | str] = {**constants.LUA_CONSTANTS, **PATTERNS, **NEWEST_PATTERNS, "OWN_COPY": OWN_COPY,
+                             "TAKEN": TAKEN,
                              "ACQUIRE_CALL": ACQUIRE_CALL.head, "ACQUIRE_REST": ACQUIRE_CALL.rest,
                              "RELEASE_CALL": RELEASE_CALL.head, "RELEASE_REST": RELEASE_CALL.rest}
 

@@ -33,6 +33,9 @@ from .registry import guarded_tasks
 
 __all__ = ["HandOn", "Sweeper", "hand_on_sweeps", "sweeps_for"]
 
+#: how many releases a sweeper remembers having looked at (a few kB)
+_ANSWERED_KEPT = 4096
+
 log = logging.getLogger("celery_singleflight.queue")
 
 
@@ -75,6 +78,8 @@ class HandOn(Sweep):
 
     def __init__(self, app: Any, store: LeaseStore, ttl: float, slots: int) -> None:
         self.app, self.store, self.ttl, self.slots = app, store, ttl, slots
+        #: (key, release token) whose joined runs this sweeper made sure were answered
+        self.answered: set[tuple[str, str]] = set()
 
     def sweep_once(self) -> int:
         sent = 0
@@ -85,6 +90,7 @@ class HandOn(Sweep):
             except ProtocolMismatch as exc:
                 log.error("key=%r is not handed on: %s", key, exc)
                 continue
+            self._unanswered(key, before[0][2])
             if found is None:
                 continue
             if found.handoff is not None:
@@ -99,6 +105,29 @@ class HandOn(Sweep):
             if found.handoff is not None:
                 self._orphans(key)
         return sent
+
+    def _unanswered(self, key: str, now_ms: int) -> None:
+        """A release took the runs joined to its run, then its whole worker was lost before it
+        answered them, with nothing parked (no hand-off to reveal it). The key is in the waiting
+        index since they joined: at its look, those still waiting
+        :data:`~..constants.ANSWER_GRACE` after the release are answered (a live releaser does in
+        milliseconds); until then the key is looked at again. Each release is looked at once."""
+        later: list[float] = []
+        for token, taken_at in self.store.handoff.taken_joined(key).items():
+            if (key, token) in self.answered:
+                continue
+            waited = (now_ms - taken_at) / 1000.0
+            if waited < constants.ANSWER_GRACE:
+                later.append(constants.ANSWER_GRACE - waited)
+                continue
+            answer_orphaned_joined(self.app, self.app.backend, self.store, key, token, "<gone>",
+                                   LeaseLost(key, "the run it joined released the key, then its worker was"
+                                                  " lost before it answered"))
+            if len(self.answered) >= _ANSWERED_KEPT:
+                self.answered.clear()  # looked at again: only runs still waiting are answered
+            self.answered.add((key, token))
+        if later:
+            self.store.handoff.look_again(key, min(later))
 
     def _orphans(self, key: str) -> None:
         """A handoff nobody sent can mean that the releasing run's process died right after its

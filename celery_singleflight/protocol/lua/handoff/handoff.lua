@@ -67,11 +67,21 @@ local function drop_own_copy(id, queue, parked, recs, n, now)
     end
   end
 end
--- the joined runs, handed to ``by`` (kept under its name for a replay)
+-- the joined runs, handed to ``by``: kept under its name for a replay, and when, in the field
+-- TAKEN (a JSON object: release token -> ms), so that a sweeper answers them if the releaser's
+-- worker is lost before it does (entries older than the hash's own life are dropped)
 local function take_joined(joined, settled, by)
   local messages = redis.call('LRANGE', joined, 0, -1)
   if #messages > 0 then
-    redis.call('HSET', settled, by, cjson.encode(messages))
+    local now = clock()
+    local taken, kept = decode(redis.call('HGET', settled, TAKEN)) or {}, {}
+    for token, at in pairs(taken) do
+      if tonumber(at) > now - SETTLE_KEEP_MS then
+        kept[token] = at
+      end
+    end
+    kept[by] = num(now)
+    redis.call('HSET', settled, by, cjson.encode(messages), TAKEN, cjson.encode(kept))
     redis.call('PEXPIRE', settled, SETTLE_KEEP_MS)
     redis.call('DEL', joined)
   end
