@@ -75,6 +75,7 @@ SEEDS = {
                        "fence>=resource"),
     "NO_RELEASE_GUARD": ("RELEASE's replay guard (rt, by, settled)", "lost-replies", "out[i]>=3"),
     "NO_FENCE_CLOCK": ("the clock in the fence (fences would be last + 1)", "restart-empty", "nf>maxfence"),
+    "NO_REPLACE": ("COALESCE's replacement of the pending run", "coalesce", "tmp<=1"),
     "NO_ADOPTED": ("ACQUIRE's memory of parked runs that took their slot (a task without results)",
                    "pauses", "ran[r]<=1"),
 }

@@ -38,12 +38,14 @@
  *      froze past its TTL: it may run again, as a broker's redelivery would; fences order them)
  *   P6 a holder that learned it was superseded writes nothing more; a superseded run never
  *      writes after its successor wrote (P3)
- *   P7 coalesce: at most one pending run, the latest sent
+ *   P7 coalesce: at most one pending run (queue entries not yet handed a slot), and only the
+ *      latest-sent run becomes pending
  *
  * Seeded faults (each removes one safeguard; the checker must find a counterexample):
  *   NO_FENCE_CHECK   FENCED_SET stores any fence (P3: the paused holder overwrites)
  *   NO_RELEASE_GUARD RELEASE forgets its replay guard (rt, by, settled) (P4: joined runs lost)
  *   NO_FENCE_CLOCK   fences are last + 1 only, without the clock (P2: reissued after a restore)
+ *   NO_REPLACE       COALESCE leaves the pending run it replaces in the queue (P7)
  *   NO_ADOPTED       ACQUIRE forgets which parked runs adopted their slot (P5: a copy runs again)
  */
 
@@ -452,15 +454,31 @@ inline COALESCE_(r, t, sup_mode, rep, replaced) {
           :: pend != 0 ->
              e = owner[pend];
              replaced = R.owed[e] | (PARKED_HAS(e) -> BIT(e) : 0);
-             QREMOVE(pend); R.ptok[e] = 0; R.owed[e] = 0; R.owed[r] = replaced
+#ifndef NO_REPLACE
+             QREMOVE(pend); R.ptok[e] = 0; R.owed[e] = 0;
+#endif
+             R.owed[r] = replaced
           :: else -> skip
           fi;
+          assert(r + 1 >= R.latest);   /* P7: only the latest-sent run becomes pending */
           R.q[R.qlen] = t; R.qlen++; R.ptok[r] = t; R.latest = r + 1;
           for (i : 0 .. SLOTS - 1) {
             R.s[i].waiting = 1;
             if :: sup_mode -> R.s[i].sup = 1 :: else -> skip fi
           }
-          rep = PENDING
+          rep = PENDING;
+          /* P7: at most one pending run (entries not yet handed a slot) */
+          tmp = 0;
+          for (k : 0 .. RUNS - 1) {
+            if
+            :: k < R.qlen ->
+               busy = 0;
+               for (i : 0 .. SLOTS - 1) { if :: R.s[i].tok == R.q[k] -> busy = 1 :: else -> skip fi }
+               if :: !busy -> tmp++ :: else -> skip fi
+            :: else -> skip
+            fi
+          }
+          assert(tmp <= 1)
        fi
     fi
   }
