@@ -1,8 +1,9 @@
 # Two commands for a fresh machine (Python 3.10+ with venv):
 #   make demo   the example project on an embedded Redis (no service needed)
 #   make test   lint (ruff), types (mypy --strict on the package), the docs site (mkdocs --strict),
-#               the test suite, then the core tests against the lowest and the highest Celery and
-#               redis-py that pyproject.toml allows (make test-versions, under 5 minutes)
+#               the test suite, the protocol's model (SPIN: make model), then the core tests against
+#               the lowest and the highest Celery and redis-py that pyproject.toml allows
+#               (make test-versions, under 5 minutes)
 #   make docs   the docs site alone, into site/ (open site/index.html)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -40,6 +41,8 @@ test: $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
 	$(VENV)/bin/mypy
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	$(VENV)/bin/pytest
+	$(PY) model/check.py
+	$(PY) model/check.py --seeds
 	$(call core_tests,$(LOWEST))
 	$(call core_tests,$(HIGHEST))
 
@@ -72,10 +75,12 @@ define core_tests
 	$(1)/bin/pytest -m core --durations=5 $(CORE_FILES)
 endef
 
-# the lease protocol's model, checked by SPIN (Debian: spin, gcc); also part of make test
-# (tests/test_model.py); --seed NAME removes one safeguard, --trail CONFIG prints a counterexample
+# the lease protocol's model, checked by SPIN (Debian: spin, gcc); also part of make test, after
+# pytest (its verifiers would take the CPU from timing-sensitive tests running beside them);
+# --seed NAME removes one safeguard, --trail CONFIG prints a counterexample
 model:
 	python3 model/check.py
+	python3 model/check.py --seeds
 
 # the version matrix alone
 test-versions: $(LOWEST_STAMP) $(HIGHEST_STAMP)
