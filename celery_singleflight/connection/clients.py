@@ -79,16 +79,29 @@ class AttemptClock(Retry):
     A lease counts from when the call that took it was sent. When a reply is lost and redis-py
     sends the call again, the second run is what the caller gets (and, for an acquire, what
     restarts the lease's time), so the clock must start at that second send, not the first.
+    It also counts the sends of the last command (:func:`calls_sent`): a release told
+    ``EARLIER`` learns from it whether its first send ran before (protocol/lease.py).
     """
 
     def call_with_retry(
         self, do: Callable[[], _T], fail: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> _T:
+        depth = getattr(_attempt, "depth", 0)
+        if depth:  # a reconnect inside an attempt of the command: not a command of its own
+            return super().call_with_retry(do, fail, *args, **kwargs)
+        _attempt.calls = getattr(_attempt, "calls", 0) + 1
+        _attempt.tries = 0
+
         def attempt() -> _T:
             _attempt.sent = mod_time.monotonic()
+            _attempt.tries += 1
             return do()
 
-        result: _T = super().call_with_retry(attempt, fail, *args, **kwargs)
+        _attempt.depth = 1
+        try:
+            result: _T = super().call_with_retry(attempt, fail, *args, **kwargs)
+        finally:
+            _attempt.depth = 0
         return result
 
 
@@ -96,6 +109,13 @@ def last_attempt_sent(default: float) -> float:
     """When this thread last sent an attempt of a command through a client of
     :func:`redis_client` (monotonic), or ``default`` when that is later (other clients)."""
     return max(default, getattr(_attempt, "sent", default))
+
+
+def calls_sent() -> tuple[int, int]:
+    """How many commands this thread sent through a client of :func:`redis_client`, and how
+    many times the last one was sent (more than once: a reply was lost, redis-py sent it again).
+    A caller compares the count before and after its call: unchanged, its client was another."""
+    return getattr(_attempt, "calls", 0), getattr(_attempt, "tries", 0)
 
 
 _clients: dict[tuple[int, str], Any] = {}

@@ -66,7 +66,7 @@ class HandoffFields(RecordBase):
 
     reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
                      writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
-                     readers=("ops.keystatus", "run.lost", "policies.newest", "protocol.started"))
+                     readers=("PARK", "ops.keystatus", "run.lost", "policies.newest", "protocol.started"))
     by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
                " the same",
                writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
@@ -76,6 +76,11 @@ class HandoffFields(RecordBase):
     joined = Field(FLAG, "runs joined this run: its release hands their messages back",
                    writers=("ACQUIRE", "RELEASE", "JOIN", "RESUME", "FORCE_RELEASE"),
                    readers=())
+    prev_worker = Field(TEXT, "on a reservation of a slot whose holder died: that holder's worker, so that a"
+                        " re-sent ACQUIRE names it again (its caller ends that run)",
+                        writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=("ACQUIRE",))
+    prev_task_name = Field(TEXT, "and its task name", writers=("ACQUIRE", "RELEASE", "RESUME",
+                                                               "FORCE_RELEASE"), readers=("ACQUIRE",))
     released_by = Field(TEXT, "who force-released the run", writers=("FORCE_RELEASE",),
                         readers=("ops.keystatus",))
 

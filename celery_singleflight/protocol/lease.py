@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from .. import constants
+from ..connection.clients import calls_sent
 from ..connection.cluster import call_per_slot, slot_of
 from .context import Context, Feature, ms, text, texts
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
@@ -85,6 +86,9 @@ class ReleaseReply(Replies):
     NOT_OURS = 0, "{NOT_OURS}: the lease ran out and another run took the key (or Redis lost it)"
     RELEASED = 1, ("RELEASED when nothing is handed on; else {RELEASED, message of the parked run now "
                    "handed the key or '', joined messages...}")
+    EARLIER = 2, ("{EARLIER}: a newer run holds the key, and this run's fence is older and not among the lost"
+                  " ones: this call ran before (its reply was lost, and runs took the key since), or Redis"
+                  " lost this lease with its data; only the caller knows whether it sent the call twice")
 
 
 class RenewReply(Replies):
@@ -282,6 +286,7 @@ class LeaseCalls(Feature):
         call = (f"{token}\x1f{outcome}\x1f{slot + 1}\x1f{1 if clear_marker else 0}"
                 f"\x1f{'' if fence is None else fence}\x1f{ms(ttl)}\x1f{1 if answer_joined else 0}"
                 f"\x1f{task_id}")
+        before, _ = calls_sent()
         reply = self._release(
             keys=[*names.runs, names.histories[slot], names.queue, names.parked, names.joined, names.enqueued,
                   names.settled],
@@ -289,7 +294,14 @@ class LeaseCalls(Feature):
         )
         if reply == ReleaseReply.RELEASED:
             return _RELEASED
-        if int(reply[0]) == ReleaseReply.NOT_OURS:
+        code = int(reply[0])
+        if code == ReleaseReply.EARLIER:
+            calls, tries = calls_sent()
+            # its last send (the one that ran: an EVALSHA refused with NOSCRIPT did not) went
+            # once, as this process's client knows: nothing ran before it, so Redis lost the
+            # lease; sent twice, or not known (another client): the first send released it
+            return Settlement(False) if calls > before and tries == 1 else _RELEASED
+        if code == ReleaseReply.NOT_OURS:
             return Settlement(False)
         return settlement(reply)
 

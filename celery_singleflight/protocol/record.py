@@ -71,16 +71,15 @@ class LeaseFields(RecordBase):
                              "worker.sweeper"))
     task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); the holder fields come from"
                       " ``Holder.fields``", writers=("ACQUIRE",),
-                      readers=("ops.keystatus", "run.lost", "policies.newest"))
+                      readers=(*_RECORD_WRITERS, "ops.keystatus", "run.lost", "policies.newest"))
     worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
-                   readers=("ops.keystatus", "run.lost"))
+                   readers=(*_RECORD_WRITERS, "ops.keystatus", "run.lost"))
     host = Field(TEXT, "the holder's host", writers=("ACQUIRE",),
                  readers=("ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),
                 readers=("ops.keystatus", "worker.bootstep"))
-    rt = Field(TEXT, "the token of the release that ended the last run: its replay (or JOIN, for a run it"
-               " joined) finds it and answers as before", writers=_RECORD_WRITERS,
-               readers=("JOIN", "worker.bootstep", "worker.sweeper"))
+    rt = Field(TEXT, "the token of the release that ended the last run: its replay finds it and answers"
+               " as before", writers=_RECORD_WRITERS, readers=("worker.bootstep", "worker.sweeper"))
     lost = Field(TEXT, "the fences of recent runs whose lease ran out unreleased: a late release learns"
                  " it lost the key", writers=_RECORD_WRITERS, readers=("protocol.started",))
     prev_task_id = Field(TEXT, "who ran on the slot before this run", writers=_RECORD_WRITERS,

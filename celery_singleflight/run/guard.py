@@ -105,6 +105,9 @@ class Guard:
         # and the second run renews the lease: see protocol/lua/lease/acquire.lua)
         self._asked = last_attempt_sent(asked)
         if isinstance(got, Held) and got.handoff is not None:
+            # the next take is a call of its own: with this token, ACQUIRE would read it as this
+            # one sent again and answer the same hand-on (the message sent twice, a free slot unseen)
+            self.token = os.urandom(16).hex()
             settle(self.app, Settlement(True, got.handoff),
                    Ending(self.key, self.sender, self.holder.task_id, "handed-on", signal=False))
             if got.dead is not None:  # the slot's holder died with runs parked behind it

@@ -17,11 +17,11 @@ local function hand_off(slot, n, recs, queue, parked, now, ttl, keep, by, mine, 
     local busy = false
     for i = 1, n do
       local r = recs[i]
-      if i ~= slot and live(r, now) then
-        -- already reserved on another slot, or an own copy whose task id runs on another slot
-        if r.token == token or (is_own_copy(token) and r.task_id == id) then
-          busy = true
-        end
+      -- reserved on another slot (ran out too: it waits for that one, RESUME hands it again), or
+      -- an own copy whose task id runs on another slot
+      if i ~= slot and r and ((r.reserved and r.token == token)
+          or (live(r, now) and (r.token == token or (is_own_copy(token) and r.task_id == id)))) then
+        busy = true
       end
     end
     if not busy then
@@ -34,7 +34,8 @@ local function hand_off(slot, n, recs, queue, parked, now, ttl, keep, by, mine, 
           res.fence, res.lost, res.joined, res.rt = prev.fence, prev.lost, prev.joined, prev.rt
           res.prev_task_id, res.prev_outcome = previous(prev, now)
           if expired(prev, now) then
-            res.lost = add_lost(prev.lost, prev.fence)
+            res.lost = add_lost(prev.lost, prev.fence) -- and who died, for a re-sent ACQUIRE:
+            res.prev_worker, res.prev_task_name = prev.worker or '', prev.task_name or ''
             forget_dead(marker, prev)
           end
         end
@@ -78,7 +79,7 @@ local function take_joined(joined, settled, by)
     for token, at in pairs(taken) do
       if tonumber(at) > now - SETTLE_KEEP_MS then
         kept[token] = at
-      end
+      else redis.call('HDEL', settled, token) end -- answered long ago: a busy key's hash stays small
     end
     kept[by] = num(now)
     redis.call('HSET', settled, by, cjson.encode(messages), TAKEN, cjson.encode(kept))
@@ -102,9 +103,8 @@ local function append(out, messages)
   end
   return out
 end
--- ACQUIRE: the parked run of ``handoff`` took its slot before and did not lose its lease (its
--- fence is not among the lost ones and no record still holds it): another copy of its message
--- must not run it again. A run whose lease ran out unreleased (its worker died) may run again.
+-- ACQUIRE: the parked run of ``handoff`` took its slot and did not lose that lease: another copy
+-- of its message must not run it again (a run whose lease ran out unreleased may run again).
 local function taken_before(adopted, handoff, recs, n, now)
   local fence = redis.call('ZSCORE', adopted, handoff)
   if not fence then
@@ -112,8 +112,8 @@ local function taken_before(adopted, handoff, recs, n, now)
   end
   for i = 1, n do
     local r = recs[i]
-    if r and (in_list(r.lost, fence) or (r.token and r.fence == fence)) then
-      return false -- lost, or its lease is still in the record (live: a redelivery; ran out: lost)
+    if r and (in_list(r.lost, fence) or (r.token and not r.reserved and r.fence == fence)) then
+      return false -- lost, or its lease (not a reservation after it) is still in the record
     end
   end
   return true

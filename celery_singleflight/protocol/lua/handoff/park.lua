@@ -9,7 +9,7 @@
 -- ARGV[4] - n, the number of slots
 -- An own copy (its token starts with OWN_COPY: a turned-away redelivery of the holder's own run)
 -- waits at the front, beyond any limit, and only runs if that run's lease ends without a release
--- (RELEASE drops it); an entry already parked under its task id is kept as it is, so a second run
+-- (RELEASE drops it); it is parked only while that run holds a slot (else FREE: not run); an entry already parked under its task id is kept as it is, so a second run
 -- of the same call parks nothing more.
 -- Every held record is flagged ``waiting``, so its release hands the key on.
 -- return {FREE} if a slot is free (acquire again), {QUEUE_FULL, length} if the queue is full,
@@ -31,6 +31,15 @@ end
 local recs, left = all_held(n, now)
 if not recs then
   return {FREE}
+end
+if own then -- only while its run holds a slot: once that run ended (this call sent again after
+  local holds = false -- its release dropped the copy), a copy would run it again
+  for i = 1, n do
+    holds = holds or (recs[i].task_id == id and not recs[i].reserved)
+  end
+  if not holds then
+    return {FREE}
+  end
 end
 local length = redis.call('LLEN', queue)
 local position = own and 1 or length + 1

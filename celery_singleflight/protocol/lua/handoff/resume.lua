@@ -37,6 +37,12 @@ local slot, _, left = scan(recs, n, now)
 if not slot then
   return {ALL_HELD, math.max(left, 0)}
 end
+for i = 1, n do
+  if recs[i] and recs[i].reserved and not live(recs[i], now) then
+    slot = i -- a reservation that ran out (its message slow, or lost with its sender): its run waits
+    break    -- for this slot and no other, so it is handed this one again
+  end
+end
 local out = {HANDED_ON, ttl, ''}
 if expired(recs[slot], now) then
   forget_dead(marker, recs[slot])

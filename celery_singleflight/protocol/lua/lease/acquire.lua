@@ -18,12 +18,11 @@ for i = 1, n do
     return r.fence .. ':' .. r.since .. ':' .. (i - 1)
   end
   if r and r.reserved and r.by == token then
-    local msg = redis.call('HGET', parked, r.task_id) or ''
-    return {HANDED_ON, r.task_id, math.max(tonumber(r.deadline) - now, 0), msg}
+    local msg, dead = redis.call('HGET', parked, r.task_id) or '', r.prev_worker -- its holder died: named again
+    return {HANDED_ON, r.task_id, math.max(tonumber(r.deadline) - now, 0), msg, dead and r.prev_task_id or '',
+      dead or '', dead and r.prev_task_name or ''}
   end
-  if r and r.waiting then
-    waiting = true
-  end
+  waiting = waiting or (r and r.waiting)
 end
 -- after the replays above (they read only what this call wrote): another slot may have been
 -- taken by a worker of another version since

@@ -18,7 +18,7 @@ if not (r and r.token == token) then
     return append({RELEASED, ''}, cjson.decode(handed))
   end
   if r and fence ~= '' and not in_list(r.lost, fence) and tonumber(r.fence or 0) > tonumber(fence) then
-    return {RELEASED, ''} -- released by this run earlier; a newer run has the record now
+    return {EARLIER} -- released by this run earlier (a newer run has the record now), or lost with the data
   end
   -- the lease ran out and another run took it (or Redis lost it): the run ended all the same, so
   -- its enqueue marker goes and its redelivery copy is dropped

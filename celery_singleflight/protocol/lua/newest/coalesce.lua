@@ -20,7 +20,7 @@
 -- its release hands the key on (the queue's hand-off, unchanged). A superseded record keeps
 -- when it was first superseded (``sup_at``, and ``sup_due``: when it is revoked); ``sup_by``
 -- names the newest run that superseded it.
--- return {FREE} if a slot is free (acquire again);
+-- return {FREE} if a slot is free (acquire again), unless a run sent after it is pending or started;
 --        {PENDING, ms until the first holder's lease runs out, sup_due ms or '', messages...} once
 --        this run is the pending one: the messages of the runs it replaced (the caller ends them,
 --        then deletes 'o:<id>');
@@ -39,13 +39,15 @@ if redis.call('HGET', parked, id) or redis.call('ZSCORE', adopted, string.sub(AR
   local _, _, left = scan(recs, n, now)
   return append({PENDING, math.max(left, 0), recs[1] and recs[1].sup_due or ''}, owed(book, id))
 end
+-- before FREE: a run sent after this one is pending or started already (this is a late copy, or
+-- this call sent again after a newer run replaced its run): this run must not take the key
+local newer = newer_run(book, stamp, id)
+if newer then
+  return {GIVES_WAY, newer}
+end
 local recs, left = all_held(n, now)
 if not recs then
   return {FREE}
-end
-local newer = newer_run(book, stamp, id) -- sent after this run, and pending or started already
-if newer then
-  return {GIVES_WAY, newer}
 end
 local pending, pending_id = nil, nil
 for _, entry in ipairs(redis.call('LRANGE', queue, 0, -1)) do
