@@ -1,7 +1,8 @@
 # Two commands for a fresh machine (Python 3.10+ with venv):
 #   make demo   the example project on an embedded Redis (no service needed)
 #   make test   lint (ruff), types (mypy --strict on the package), the docs site (mkdocs --strict),
-#               the test suite, the protocol's model (SPIN: make model), then the core tests against
+#               the test suite (with the scripts held to the model: tests/model), the protocol's model
+#               (SPIN: make model), then the core tests against
 #               the lowest and the highest Celery and redis-py that pyproject.toml allows
 #               (make test-versions, under 5 minutes)
 #   make docs   the docs site alone, into site/ (open site/index.html)
@@ -18,7 +19,7 @@ HIGHEST := .venv-highest
 LOWEST_STAMP := $(LOWEST)/.installed-core
 HIGHEST_STAMP := $(HIGHEST)/.installed-core
 
-.PHONY: demo test test-versions docs bench clean model
+.PHONY: demo test test-versions docs bench clean model model-long
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -81,6 +82,10 @@ endef
 model:
 	python3 model/check.py
 	python3 model/check.py --seeds
+
+# the real scripts against the model's transcription, ten times the examples of make test, longer
+model-long: $(STAMP)
+	SF_MODEL_PROFILE=long $(VENV)/bin/pytest -n 0 tests/model -q
 
 # the version matrix alone
 test-versions: $(LOWEST_STAMP) $(HIGHEST_STAMP)
