@@ -57,6 +57,9 @@ CONFIGS = (
            {"RUNS": 3, "P0": "SKIP", "P1": "RETRY", "P2": "QUEUE", "LOSSES": 1, "DEATHS": 1}),
     Config("joined-death", "1 slot; queue, join, queue; a worker dies (a releaser before it answers)",
            {"RUNS": 3, "P0": "QUEUE", "P1": "JOIN", "P2": "QUEUE", "DEATHS": 1}),
+    Config("two-slots-slow", "max_concurrency 2; queue x3, no result state; a parked run is slow",
+           {"SLOTS": 2, "RUNS": 3, "P0": "QUEUE", "P1": "QUEUE", "P2": "QUEUE", "SLOW": 1,
+            "IGNORE_RESULT": 1}),
     Config("restart-empty", "1 slot; queue, join; Redis restarts empty",
            {"RUNS": 2, "P0": "QUEUE", "P1": "JOIN", "RESTORES": 1, "OLDER": 0}),
 )
@@ -76,6 +79,8 @@ SEEDS = {
     "NO_RELEASE_GUARD": ("RELEASE's replay guard (rt, by, settled)", "lost-replies", "out[i]>=3"),
     "NO_FENCE_CLOCK": ("the clock in the fence (fences would be last + 1)", "restart-empty", "nf>maxfence"),
     "NO_REPLACE": ("COALESCE's replacement of the pending run", "coalesce", "tmp<=1"),
+    "NO_ONE_RESERVATION": ("a hand-on skipping a run whose reservation on another slot ran out (it waits for"
+                           " that one)", "two-slots-slow", "ran[r]<=1"),
     "NO_ADOPTED": ("ACQUIRE's memory of parked runs that took their slot (a task without results)",
                    "pauses", "ran[r]<=1"),
 }

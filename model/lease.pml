@@ -47,6 +47,8 @@
  *   NO_FENCE_CLOCK   fences are last + 1 only, without the clock (P2: reissued after a restore)
  *   NO_REPLACE       COALESCE leaves the pending run it replaces in the queue (P7)
  *   NO_ADOPTED       ACQUIRE forgets which parked runs adopted their slot (P5: a copy runs again)
+ *   NO_ONE_RESERVATION a hand-on reserves a second slot for a run whose reservation ran out
+ *                    (P5: each copy of its message adopts one, the run runs twice)
  */
 
 #ifndef SLOTS
@@ -205,7 +207,12 @@ inline HAND_OFF(sl, maker, mine) {
      :: else ->
         busy = 0;
         for (i : 0 .. SLOTS - 1) {
-          if :: i != sl && LIVE(i) && R.s[i].tok == e -> busy = 1 :: else -> skip fi
+          /* reserved on another slot (live, or run out: it waits for that one), or holding one */
+#ifndef NO_ONE_RESERVATION
+          if :: i != sl && R.s[i].tok == e && (LIVE(i) || R.s[i].res) -> busy = 1 :: else -> skip fi
+#else
+          if :: i != sl && R.s[i].tok == e && LIVE(i) -> busy = 1 :: else -> skip fi
+#endif
         }
         if
         :: busy -> k++
@@ -262,7 +269,7 @@ inline ACQUIRE(me, r, h, rep, fence, slot, other) {
           for (i : 0 .. SLOTS - 1) {
             if
             :: (R.s[i].lost & (1 << R.adopted[h])) != 0 -> tmp = 0
-            :: R.s[i].tok != 0 && R.s[i].fence == R.adopted[h] -> tmp = 0
+            :: R.s[i].tok != 0 && !R.s[i].res && R.s[i].fence == R.adopted[h] -> tmp = 0   /* a reservation carries the fence before it */
             :: else -> skip
             fi
           }
@@ -434,8 +441,8 @@ inline COALESCE_(r, t, sup_mode, rep, replaced) {
     if
     :: R.adopted[t] != 0 -> rep = PENDING; replaced = R.owed[r]   /* it ran before, and the run took its slot since */
     :: R.adopted[t] == 0 && PARKED_HAS(r) -> rep = PENDING; replaced = R.owed[r]
-    :: R.adopted[t] == 0 && !PARKED_HAS(r) && !tmp -> rep = FREE
-    :: R.adopted[t] == 0 && tmp && !PARKED_HAS(r) && R.latest > r + 1 -> rep = GIVES_WAY      /* a newer run is pending or started */
+    :: R.adopted[t] == 0 && !PARKED_HAS(r) && R.latest > r + 1 -> rep = GIVES_WAY   /* a newer run is pending or started: before FREE */
+    :: R.adopted[t] == 0 && !PARKED_HAS(r) && !(R.latest > r + 1) && !tmp -> rep = FREE
     :: else ->
        pend = 0;
        for (k : 0 .. RUNS - 1) {
@@ -746,6 +753,8 @@ end:
        other = 0; answered = 0;
        fs = NOBODY;
        for (i : 0 .. SLOTS - 1) { if :: fs == NOBODY && !LIVE(i) -> fs = i :: else -> skip fi }
+       /* a reservation that ran out first: its run waits for that slot alone */
+       for (i : 0 .. SLOTS - 1) { if :: fs != NOBODY && R.s[i].res && R.s[i].exp -> fs = i; break :: else -> skip fi }
        if
        :: fs != NOBODY ->
           if
