@@ -79,29 +79,23 @@ class AttemptClock(Retry):
     A lease counts from when the call that took it was sent. When a reply is lost and redis-py
     sends the call again, the second run is what the caller gets (and, for an acquire, what
     restarts the lease's time), so the clock must start at that second send, not the first.
-    It also counts the sends of the last command (:func:`calls_sent`): a release told
-    ``EARLIER`` learns from it whether its first send ran before (protocol/lease.py).
+    It also counts, per thread, the sends that failed (each sent again within the retries:
+    :func:`failed_sends`): a release told ``EARLIER`` learns from it whether it was sent twice
+    (protocol/lease.py). Nothing more is done on a send that succeeds.
     """
 
     def call_with_retry(
         self, do: Callable[[], _T], fail: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> _T:
-        depth = getattr(_attempt, "depth", 0)
-        if depth:  # a reconnect inside an attempt of the command: not a command of its own
-            return super().call_with_retry(do, fail, *args, **kwargs)
-        _attempt.calls = getattr(_attempt, "calls", 0) + 1
-        _attempt.tries = 0
-
         def attempt() -> _T:
             _attempt.sent = mod_time.monotonic()
-            _attempt.tries += 1
             return do()
 
-        _attempt.depth = 1
-        try:
-            result: _T = super().call_with_retry(attempt, fail, *args, **kwargs)
-        finally:
-            _attempt.depth = 0
+        def failed(*error: Any) -> Any:
+            _attempt.failed = getattr(_attempt, "failed", 0) + 1
+            return fail(*error)
+
+        result: _T = super().call_with_retry(attempt, failed, *args, **kwargs)
         return result
 
 
@@ -111,11 +105,18 @@ def last_attempt_sent(default: float) -> float:
     return max(default, getattr(_attempt, "sent", default))
 
 
-def calls_sent() -> tuple[int, int]:
-    """How many commands this thread sent through a client of :func:`redis_client`, and how
-    many times the last one was sent (more than once: a reply was lost, redis-py sent it again).
-    A caller compares the count before and after its call: unchanged, its client was another."""
-    return getattr(_attempt, "calls", 0), getattr(_attempt, "tries", 0)
+def failed_sends() -> int:
+    """How many sends of commands through an :class:`AttemptClock` failed in this thread so far
+    (a reply lost or a connection cut: redis-py sends the command again). Unchanged across a
+    call: the call was sent once (a reconnect that failed inside it counts too: read as twice)."""
+    return getattr(_attempt, "failed", 0)
+
+
+def counts_sends(client: Any) -> bool:
+    """Whether ``client`` sends through an :class:`AttemptClock` (the clients the library builds;
+    not a Cluster's node connections, nor a client ``singleflight_redis_client`` returns)."""
+    get_retry = getattr(client, "get_retry", None) if type(client) is redis.Redis else None
+    return get_retry is not None and isinstance(get_retry(), AttemptClock)
 
 
 _clients: dict[tuple[int, str], Any] = {}

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from .. import constants
-from ..connection.clients import calls_sent
+from ..connection.clients import counts_sends, failed_sends
 from ..connection.cluster import call_per_slot, slot_of
 from .context import Context, Feature, ms, text, texts
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
@@ -173,8 +173,8 @@ def settlement(reply: Sequence[Any], first: int = 1) -> Settlement:
 class LeaseCalls(Feature):
     """The lease's own calls (each one round trip)."""
 
-    __slots__ = ("_acquire", "_cap", "_keep", "_known", "_progress", "_release", "_renew", "_revise",
-                 "renew_round_trips")
+    __slots__ = ("_acquire", "_cap", "_counts", "_keep", "_known", "_progress", "_release", "_renew",
+                 "_revise", "renew_round_trips")
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -185,6 +185,7 @@ class LeaseCalls(Feature):
         self._revise = ctx.script(REVISE_OUTCOME)
         self._keep, self._cap = b"%d" % ctx.keep_ms, b"%d" % ctx.history_length  # encoded once
         self._known: dict[tuple[str, int], _Names] = {}
+        self._counts = counts_sends(ctx.client)  # its failed sends are counted: see release()
         self.renew_round_trips = 0  # on a Cluster: batches sent by renew() (one per node), for benchmarks
 
     def _names(self, key: str, slots: int) -> _Names:
@@ -286,7 +287,7 @@ class LeaseCalls(Feature):
         call = (f"{token}\x1f{outcome}\x1f{slot + 1}\x1f{1 if clear_marker else 0}"
                 f"\x1f{'' if fence is None else fence}\x1f{ms(ttl)}\x1f{1 if answer_joined else 0}"
                 f"\x1f{task_id}")
-        before, _ = calls_sent()
+        before = failed_sends()
         reply = self._release(
             keys=[*names.runs, names.histories[slot], names.queue, names.parked, names.joined, names.enqueued,
                   names.settled],
@@ -296,11 +297,9 @@ class LeaseCalls(Feature):
             return _RELEASED
         code = int(reply[0])
         if code == ReleaseReply.EARLIER:
-            calls, tries = calls_sent()
-            # its last send (the one that ran: an EVALSHA refused with NOSCRIPT did not) went
-            # once, as this process's client knows: nothing ran before it, so Redis lost the
+            # sent once, as this process's client knows: nothing ran before it, so Redis lost the
             # lease; sent twice, or not known (another client): the first send released it
-            return Settlement(False) if calls > before and tries == 1 else _RELEASED
+            return Settlement(False) if self._counts and failed_sends() == before else _RELEASED
         if code == ReleaseReply.NOT_OURS:
             return Settlement(False)
         return settlement(reply)

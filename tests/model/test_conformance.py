@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import os
 import re
@@ -1224,10 +1225,8 @@ class LeaseMachine(RuleBasedStateMachine):
 @contextlib.contextmanager
 def _sent_again() -> Iterator[None]:
     """A stashed call goes out as redis-py's second send of it (only later, with steps between):
-    a release told EARLIER asks its client how often its last command was sent, so it is told
-    twice."""
-    counted = lease_calls.calls_sent
-    with mock.patch.object(lease_calls, "calls_sent", lambda: (counted()[0], 2)):
+    a release told EARLIER asks its client whether a send failed meanwhile, so it is told one did."""
+    with mock.patch.object(lease_calls, "failed_sends", side_effect=itertools.count()):
         yield
 
 
