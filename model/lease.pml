@@ -422,7 +422,8 @@ inline JOIN_(r, rep) {
   d_step {
     busy = 0;
     for (i : 0 .. RUNS - 1) { if :: i < R.jlen && R.j[i] == r -> busy = 1 :: else -> skip fi }
-    if :: R.s[0].rt != 0 && (R.settled[R.s[0].rt] & BIT(r)) != 0 -> busy = 1 :: else -> skip fi;
+    /* taken by any release or sweep still kept (its ANSWERED mark), not only the last release */
+    for (i : 0 .. NTOK - 1) { if :: (R.settled[i] & BIT(r)) != 0 -> busy = 1 :: else -> skip fi }
     if
     :: !LIVE(0) && !busy -> rep = FREE
     :: else ->
@@ -769,10 +770,13 @@ end:
      }
      printf("sweeper: RESUME slot %d -> hands to %d, orphaned joined %d\n", fs, other, answered);
      SEND(other);
-     /* orphaned joined runs are sent again: each takes the key or joins anew */
+     /* orphaned joined runs are sent again: each takes the key or joins anew (with a rejoin
+        header of its own: a new message, which no release's ANSWERED mark names) */
      r = 0;
      do
-     :: r < RUNS && (answered & BIT(r)) != 0 -> run Run(r, 0, 0); r++
+     :: r < RUNS && (answered & BIT(r)) != 0 ->
+        d_step { for (k : 0 .. NTOK - 1) { R.settled[k] = R.settled[k] & ~BIT(r); S.settled[k] = S.settled[k] & ~BIT(r) } };
+        run Run(r, 0, 0); r++
      :: r < RUNS && (answered & BIT(r)) == 0 -> r++
      :: else -> break
      od;

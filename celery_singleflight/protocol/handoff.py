@@ -31,7 +31,7 @@ from .replies import Parked, Settlement
 
 __all__ = [
     "ADOPTED", "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME",
-    "TAKEN",
+    "ANSWERED", "TAKEN",
     "SCRIPTS", "SETTLED", "WAITING", "ForceReleaseReply", "HandoffCalls", "HandoffFields", "JoinReply",
     "ParkReply", "ResumeReply",
 ]
@@ -40,6 +40,8 @@ __all__ = [
 OWN_COPY = "own-"
 #: in ``settled``, the field that says when each release took joined runs (JSON: token -> ms)
 TAKEN = "taken"
+#: in ``settled``, the prefix of a field per joined message a release took (its SHA-1 -> token)
+ANSWERED = "m:"
 
 QUEUE = Part("queue", "list of `task id\\|handoff token`", "none",
              "the `queue` policy's FIFO (an entry leaves when its run adopts the key); a turned-away"
@@ -48,7 +50,7 @@ PARKED = Part("parked", "hash: task id → message", "none",
               "the re-sendable messages of parked runs")
 JOINED = Part("joined", "list of messages", "none",
               "the `join` policy: runs waiting for the holder's result")
-SETTLED = Part("settled", "hash: token → joined messages, `taken`",
+SETTLED = Part("settled", "hash: token → joined messages, `taken`, `m:<sha1>`",
                duration(constants.SETTLE_KEEP),
                "joined runs handed to a release, for its replay")
 ADOPTED = Part("adopted", "sorted set: handoff token → when its run took its slot (ms)",
@@ -108,7 +110,7 @@ class ForceReleaseReply(Replies):
 
 
 _LIBS = ("shared/common.lua", "handoff/handoff.lua")
-_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY, "TAKEN": TAKEN}
+_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY, "TAKEN": TAKEN, "ANSWERED": ANSWERED}
 
 PARK = Script("PARK", "handoff/park.lua", _LIBS, replies=(ParkReply,), constants=_LUA)
 JOIN = Script("JOIN", "handoff/join.lua", _LIBS, replies=(JoinReply,), constants=_LUA)

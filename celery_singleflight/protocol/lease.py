@@ -28,7 +28,7 @@ from ..connection.clients import counts_sends, failed_sends
 from ..connection.cluster import call_per_slot, slot_of
 from .context import Context, Feature, ms, text, texts
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
-from .handoff import ADOPTED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED, TAKEN
+from .handoff import ADOPTED, ANSWERED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED, TAKEN
 from .layout import Layout
 from .lua import Replies, Script
 from .marks import ENQUEUED
@@ -67,7 +67,7 @@ RELEASE_CALL = Call(("token", "outcome", "slot", "clear"), ("fence", "reservatio
 
 #: the constants every script of the protocol may use
 LUA: dict[str, int | str] = {**constants.LUA_CONSTANTS, **PATTERNS, **NEWEST_PATTERNS, "OWN_COPY": OWN_COPY,
-                             "TAKEN": TAKEN,
+                             "TAKEN": TAKEN, "ANSWERED": ANSWERED,
                              "ACQUIRE_CALL": ACQUIRE_CALL.head, "ACQUIRE_REST": ACQUIRE_CALL.rest,
                              "RELEASE_CALL": RELEASE_CALL.head, "RELEASE_REST": RELEASE_CALL.rest}
 

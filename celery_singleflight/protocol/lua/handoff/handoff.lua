@@ -59,42 +59,41 @@ local function drop_own_copy(id, queue, parked, recs, n, now)
     if string.sub(entry, 1, #prefix) == prefix then
       local token = string.sub(entry, #id + 2)
       for i = 1, n do
-        if recs[i] and recs[i].token == token and live(recs[i], now) then
-          return
-        end
+        if recs[i] and recs[i].token == token and live(recs[i], now) then return end
       end
       redis.call('LREM', queue, 1, entry)
       redis.call('HDEL', parked, id)
     end
   end
 end
--- the joined runs, handed to ``by``: kept under its name for a replay, and when, in the field
--- TAKEN (a JSON object: release token -> ms), so that a sweeper answers them if the releaser's
--- worker is lost before it does (entries older than the hash's own life are dropped)
+-- what an earlier call of ``by`` handed over (joined messages), for its replay
+local function settled_for(settled, by)
+  return decode(redis.call('HGET', settled, by)) or {}
+end
+-- the joined runs, handed to ``by``: kept under its name for its replay, each marked ANSWERED for
+-- JOIN's, and stamped in TAKEN (JSON: token -> ms) for a sweeper to answer if the releaser's
+-- worker is lost first (entries older than the hash's life are dropped)
 local function take_joined(joined, settled, by)
   local messages = redis.call('LRANGE', joined, 0, -1)
   if #messages > 0 then
-    local now = clock()
-    local taken, kept = decode(redis.call('HGET', settled, TAKEN)) or {}, {}
+    local now, taken, kept = clock(), decode(redis.call('HGET', settled, TAKEN)) or {}, {}
     for token, at in pairs(taken) do
       if tonumber(at) > now - SETTLE_KEEP_MS then
         kept[token] = at
-      else redis.call('HDEL', settled, token) end -- answered long ago: a busy key's hash stays small
+      else -- answered long ago: dropped with its messages' marks, so a busy key's hash stays small
+        for _, m in ipairs(settled_for(settled, token)) do
+          redis.call('HDEL', settled, ANSWERED .. redis.sha1hex(m))
+        end
+        redis.call('HDEL', settled, token)
+      end
     end
     kept[by] = num(now)
+    for _, m in ipairs(messages) do redis.call('HSET', settled, ANSWERED .. redis.sha1hex(m), by) end
     redis.call('HSET', settled, by, cjson.encode(messages), TAKEN, cjson.encode(kept))
     redis.call('PEXPIRE', settled, SETTLE_KEEP_MS)
     redis.call('DEL', joined)
   end
   return messages
-end
--- what an earlier call of ``by`` handed over (joined messages), for its replay
-local function settled_for(settled, by)
-  local raw = redis.call('HGET', settled, by)
-  if raw then
-    return cjson.decode(raw)
-  end
-  return {}
 end
 -- ``out`` with ``messages`` appended (a reply's list of joined runs)
 local function append(out, messages)

@@ -8,19 +8,13 @@
 --        ms until the holder's lease runs out (0 once it ended)}
 -- A second run of a call whose first run joined answers JOINED, adding nothing, even if the
 -- holder ended in between: the message still waits in the joined list (a lease that ran out: the
--- sweeper answers it), or a release or a sweep took it (kept under its token in ``settled``,
--- stamped in TAKEN: that release answers it), also when other runs took the key since
+-- sweeper answers it), or a release or a sweep took it (marked ANSWERED in ``settled``: that
+-- release answers it), also when other runs took the key since
 local r = decode(redis.call('GET', KEYS[1]))
 local now = clock()
 local held = live(r, now)
 local before = redis.call('LPOS', KEYS[2], ARGV[1])
-if not before then
-  for by in pairs(decode(redis.call('HGET', KEYS[3], TAKEN)) or {}) do
-    for _, m in ipairs(settled_for(KEYS[3], by)) do
-      before = before or m == ARGV[1]
-    end
-  end
-end
+  or redis.call('HEXISTS', KEYS[3], ANSWERED .. redis.sha1hex(ARGV[1])) == 1
 if not held and not before then
   return {FREE}
 end
