@@ -1,9 +1,9 @@
 """The Celery app ``benchmarks/bench_policies.py`` runs in a real worker (and dispatches from).
 
-- ``superseded``: ``on_duplicate="supersede"``. Its body polls ``self.lease.superseded`` every
-  millisecond (no Redis call: the flag is set by the heartbeat's renewal) and stamps ``told`` the
-  first time it is true, then stops by calling ``self.lease.check()`` (which raises
-  ``Superseded``). A newcomer stamps ``start`` when its body begins.
+- ``superseded``: ``on_duplicate="supersede"``. Its body calls ``self.lease.check()`` every
+  millisecond (no Redis call: the lease is marked by the push to its process, or else by the
+  heartbeat's renewal) and stamps ``told`` when it raises (``Superseded``, or ``LeaseLost`` after a
+  force-release). A newcomer stamps ``start`` when its body begins.
 - ``coalesced``: ``on_duplicate="coalesce"``. Stamps ``start``; a ``lease_released`` receiver
   stamps ``released``.
 
@@ -22,7 +22,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from celery_singleflight import SingleFlightTask
+from celery_singleflight import LeaseLost, SingleFlightTask
 from celery_singleflight import signals as sf_signals
 
 PREFIX = os.environ.get("SF_BENCH_PREFIX", "sfbench")
@@ -30,7 +30,7 @@ BROKER = os.environ.get("SF_BENCH_BROKER", "redis://127.0.0.1:6379/0")
 LEASES = os.environ.get("SF_BENCH_LEASES", "redis://127.0.0.1:6379/2")
 RECORDER = os.environ.get("SF_BENCH_RECORDER", "redis://127.0.0.1:6379/3")
 QUEUE = os.environ.get("SF_BENCH_QUEUE", f"{PREFIX}-queue")
-TTL = float(os.environ.get("SF_BENCH_TTL", "3"))
+TTL = float(os.environ.get("SF_BENCH_TTL", "30"))
 
 app = Celery("policiesapp", broker=BROKER)
 app.conf.update(
@@ -56,9 +56,11 @@ def superseded(self: Any, key: str, seconds: float) -> str:
     stamp(self.request.id, "start")
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if self.lease.superseded:
+        try:
+            self.lease.check()  # no Redis call: raises once the lease is marked superseded or lost
+        except LeaseLost:
             stamp(self.request.id, "told")
-            self.lease.check()  # raises Superseded: the run stops
+            raise
         time.sleep(0.001)
     return "done"
 

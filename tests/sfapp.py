@@ -450,6 +450,49 @@ def superseding(self, key, n, seconds=0.05, checks=True):
     return {"n": n, "fence": self.lease.fence, "written": written}
 
 
+@app.task(bind=True, base=SingleFlightTask, lock_key="told:<key>", on_duplicate="supersede",
+          supersede_grace=30.0)
+def told_at_once(self, key, n, seconds=0.05):
+    """Supersede with the default lease TTL (30 s: a renewal every 10 s): checks its lease every
+    10 ms and records when ``check()`` first raised (``raised:<key>:<n>``) and why, or that it
+    completed. Only a push tells it within a second."""
+    recorder.rpush(f"started:{key}", n)
+    recorder.set(f"began:{key}:{n}", time.time())
+    deadline = time.time() + seconds
+    try:
+        while time.time() < deadline:
+            self.lease.check()
+            time.sleep(0.01)
+    except Exception as exc:
+        recorder.set(f"raised:{key}:{n}", time.time())
+        recorder.set(f"why:{key}:{n}", type(exc).__name__)
+        raise
+    recorder.rpush(f"done:{key}", n)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="told:<key>", on_duplicate="supersede",
+          supersede_grace=0)
+def revoked_at_once(self, key, n, seconds=0.05):
+    """Supersede with no grace: a holder that never checks is revoked as soon as it is superseded."""
+    recorder.rpush(f"started:{key}", n)
+    time.sleep(seconds)
+    recorder.rpush(f"done:{key}", n)
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="told:<key>", on_duplicate="supersede",
+          supersede_grace=30.0)
+def waits_superseded(self, key, n, seconds=0.05):
+    """A body that blocks: ``wait_superseded`` instead of a loop of checks."""
+    recorder.rpush(f"started:{key}", n)
+    if self.lease.wait_superseded(seconds):
+        recorder.set(f"raised:{key}:{n}", time.time())
+        self.lease.check()
+    recorder.rpush(f"done:{key}", n)
+    return n
+
+
 # -- ordered queue (strict send order) ------------------------------------------------------
 
 

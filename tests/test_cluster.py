@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from types import ModuleType
@@ -24,13 +25,14 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, RedisClusterException
 
-from celery_singleflight import SingleFlightTask
+from celery_singleflight import SingleFlightTask, force_release, hold
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.connection.targets import build_client, target_from_settings
 from celery_singleflight.ops.acl import CLUSTER_COMMANDS, acl_rule
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore, store_for
+from celery_singleflight.run.heartbeat import heartbeat_for
 from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.testing.engines import RedisClusterServers
 from celery_singleflight.worker.preflight import preflight
@@ -340,3 +342,28 @@ def test_a_held_lease_survives_a_cluster_failover_of_its_master(replicated: Redi
     assert store.release("failover:0", leases[0].token).ours
     token = uuid.uuid4().hex
     assert isinstance(store.acquire("failover:0", token, 10.0, Holder("after")), Acquired)
+
+
+def test_holders_on_every_master_are_told_at_once_by_the_push(cluster: RedisClusterServers) -> None:
+    """Holds of this process on keys of all three masters' slots, with the default TTL: a
+    force-release of each reaches the holder within a second (one subscription of the process; a
+    PUBLISH from a script on any master reaches it), so no renewal was needed."""
+    app = Celery("cluster-told", broker="memory://", set_as_current=False)
+    app.conf.singleflight_redis_url = cluster.url
+    client = cluster.client()
+    keys: dict[str, str] = {}
+    n = 0
+    while len(keys) < 3:  # one key per master
+        key = f"told:{n}"
+        node = client.nodes_manager.get_node_from_slot(key_slot(f"sf:{{{key}}}:run".encode())).name
+        keys.setdefault(node, key)
+        n += 1
+    with hold(app, "told:warm") as warm:  # the process's inbox listens from its first lease on
+        inbox = heartbeat_for(warm.lease.store).inbox
+    assert inbox.subscribed.wait(5)
+    for key in keys.values():
+        with hold(app, key) as lease:
+            sent = time.monotonic()
+            assert force_release(app, key, by="ops") is not None
+            assert lease.lease.wait_superseded(1.5), f"{key} not told"
+            assert time.monotonic() - sent < 1.5 and "force-released by ops" in lease.lease.lost_reason

@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_singleflight import SingleFlightTask, hold
+from celery_singleflight import SingleFlightTask, force_release, hold
 from celery_singleflight.connection.targets import target_from_settings
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.store import store_for
+from celery_singleflight.run.heartbeat import heartbeat_for
 from celery_singleflight.testing.engines import SentinelGroup
 from celery_singleflight.worker.preflight import preflight
 
@@ -135,3 +136,35 @@ def test_leases_after_a_sentinel_failover_work_and_a_held_one_is_kept(
     keys = run_policy_mix(sfapp, worker.queue, "fo")
     reader = StatusReader(store_for(target_from_settings(group.url, group.transport_options()), "sf"))
     check_outcomes(reader, keys)
+
+
+def test_a_holder_behind_the_sentinels_is_told_at_once_also_after_a_failover(group: SentinelGroup) -> None:
+    """A hold with the default TTL behind the sentinels learns a force-release within a second
+    (the push); after SENTINEL FAILOVER the process's inbox listens on the new master, and a hold
+    taken there is told at once too."""
+    app = sentinel_app(group, "sentinel-told")
+
+    def told(key: str) -> None:
+        with hold(app, key) as lease:
+            beat = heartbeat_for(lease.lease.store)
+            wait_for(lambda: beat.inbox.subscribed.is_set(), timeout=10)
+            sent = time.monotonic()
+            assert force_release(app, key, by="ops") is not None
+            assert lease.lease.wait_superseded(1.5), f"{key} not told"
+            assert time.monotonic() - sent < 1.5 and "force-released by ops" in lease.lease.lost_reason
+
+    with hold(app, "told:warm"):
+        pass
+    told("told:before")
+    old_port = group.master_port()
+    group.failover()
+    group.wait_master_change(old_port)
+    deadline = time.monotonic() + 20
+    while True:  # the inbox reconnects to the new master (a push meanwhile is lost: renewals cover it)
+        try:
+            told("told:after")
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

@@ -75,10 +75,11 @@ def test_acl_command_prints_the_documented_rule(redis_server: RedisServer, tls_r
     line = cli_acl(redis_server, f"{tls_redis.url}/0", tls_redis.tls.transport_options(), "--user", "u1")
     assert line.startswith("ACL SETUSER u1 reset on >PASSWORD ~sf:{* ~sf:waiting ~sf:superseding "
                            "~sf:ordering ~sf:delays ~sf:workers ~sf:started ~sf:epoch ~sf:protocol"
-                           " resetchannels -@all ")
+                           " resetchannels &sf:inbox:* -@all ")
     assert line.endswith(" ".join(f"+{c}" for c in LIBRARY_COMMANDS))
     documented = (Path(__file__).parents[1] / "docs" / "isolation.md").read_text()
-    assert line.replace("u1", "tenant-a", 1).replace("~sf:", "~tenant-a:") in documented
+    as_tenant = line.replace("u1", "tenant-a", 1).replace("~sf:", "~tenant-a:").replace("&sf:", "&tenant-a:")
+    assert as_tenant in documented
     # another database needs SELECT (redis-py selects it on connecting)
     assert cli_acl(redis_server, f"{redis_server.url}/2", {}).endswith(" +select")
 

@@ -4,17 +4,19 @@ One source for the rule that ``celery singleflight acl`` prints, the docs show
 (``docs/isolation.md``, ``docs/operations.md``) and the tests apply: the keys of the namespace
 only (``<ns>:{*`` and the namespace's own keys, ``<ns>:waiting`` and the others of
 :data:`..protocol.store.INDEXES`; not ``<ns>:*``, which also matches a namespace ``<ns>:x``),
-no channels, and exactly the commands a full run uses.
+the namespace's channels only (``<ns>:inbox:*``: the push to a holder's process), and exactly the
+commands a full run uses.
 """
 
 from __future__ import annotations
 
 import re
 
-from ..protocol.store import INDEXES
+from ..protocol.store import CHANNELS, INDEXES
 from ..protocol.timing import ACL_COMMANDS
 
-__all__ = ["CLUSTER_COMMANDS", "LIBRARY_COMMANDS", "TIME_POLICY_COMMANDS", "acl_rule", "key_patterns"]
+__all__ = ["CLUSTER_COMMANDS", "LIBRARY_COMMANDS", "TIME_POLICY_COMMANDS", "acl_rule", "channel_patterns",
+           "key_patterns"]
 
 #: every command the library sends to the lease Redis in a full run
 LIBRARY_COMMANDS: tuple[str, ...] = (
@@ -29,6 +31,8 @@ LIBRARY_COMMANDS: tuple[str, ...] = (
     # the namespace's indexes of waiting and delayed runs, and of live workers (the sweeper); a
     # key's parked runs that took their slot
     "zadd", "zrangebyscore", "zrem", "zremrangebyscore", "zscore",
+    # the push to a holder's process (PUBLISH inside the scripts), which each process subscribes to
+    "publish", "subscribe",
     # redis-py's health check
     "ping",
 )
@@ -53,6 +57,12 @@ def key_patterns(namespace: str) -> list[str]:
     return [f"{ns}:{{*", *(f"{ns}:{part.name}" for part in INDEXES)]
 
 
+def channel_patterns(namespace: str) -> list[str]:
+    """The Redis glob patterns of every pub/sub channel of ``namespace`` (``<ns>:inbox:*``)."""
+    ns = _glob_escape(namespace)
+    return [f"{ns}:{part.name}:*" for part in CHANNELS]
+
+
 def acl_rule(
     namespace: str, password: str = "PASSWORD", *, database: int = 0, cluster: bool = False,
     time_policies: bool = False,
@@ -70,5 +80,6 @@ def acl_rule(
     return [
         "reset", "on", f">{password}",
         *(f"~{pattern}" for pattern in key_patterns(namespace)),
-        "resetchannels", "-@all", *(f"+{command}" for command in commands),
+        "resetchannels", *(f"&{pattern}" for pattern in channel_patterns(namespace)),
+        "-@all", *(f"+{command}" for command in commands),
     ]

@@ -185,7 +185,8 @@ class StatusReader:
         :meth:`read_all`; ``slots``: the key's slot count, so that the key can be handed to a
         parked run at once). With ``expected_holder``, only that task's lease is released.
         Logged at WARNING with who asked, and signalled (``lease_force_released``). The holder's
-        heartbeat then reports its lease lost. With the reader's app (``reader(app)``,
+        process is told at once by a push (at its next renewal if the push is lost): its lease is
+        lost, and its next ``check()`` raises. With the reader's app (``reader(app)``,
         ``force_release(app, ...)``, the CLI) a parked run is sent at once and runs that joined the
         released run get a :class:`LeaseLost` error; a reader without one leaves both to the
         queue sweeper of a worker.

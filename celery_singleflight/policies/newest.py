@@ -9,10 +9,12 @@ with a ``coalesced`` result naming the newcomer (``coalesce``), or FAILURE with
 :class:`~..errors.Superseded` (``supersede``); with ``coalesce_keep="first"`` (or when it was
 sent before the pending one) the newcomer ends that way instead.
 
-``supersede`` also marks the holder superseded, atomically: the holder learns it at its next
-renewal or progress write (``self.lease.superseded``; ``check()`` and ``progress()`` raise
-``Superseded``), and any worker's sweeper revokes it with ``terminate=True`` once
-``supersede_grace`` has passed. A run handed the key that was superseded on its way starts and
+``supersede`` also marks the holder superseded, atomically, and pushes the news to the holder's
+process, which learns it within milliseconds (``self.lease.superseded``; ``check()`` and
+``progress()`` raise ``Superseded``; ``wait_superseded()`` returns; its next renewal or progress
+write learns it too, should the push be lost). Any worker's sweeper revokes it with
+``terminate=True`` once ``supersede_grace`` has passed; with no grace, the newcomer revokes it at
+once. A run handed the key that was superseded on its way starts and
 stops at once.
 """
 
@@ -148,6 +150,11 @@ def supersede(dup: Duplicate) -> Any:
     if got:
         _end_replaced(dup.task, dup.guard.store, dup.key, dup.task_id, got, supersede=True)
     dup.report("superseding", f"supersedes {dup.held.holder}", logging.INFO)
+    if dup.task.options.supersede_grace == 0:  # no grace: the revoke goes now, not at the next sweep
+        try:
+            RevokeSuperseded(dup.task.app, dup.guard.store).revoke(dup.key)
+        except redis.RedisError as exc:  # the sweeper revokes it (the key is in its index)
+            log.warning("could not revoke the superseded holder of key=%r now: %s", dup.key, exc)
     raise Ignore()
 
 

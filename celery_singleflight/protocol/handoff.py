@@ -24,6 +24,7 @@ from typing import Any
 from .. import constants
 from .context import Feature, due_ms, ms, text
 from .fields import FLAG, PATTERNS, TEXT, Field, RecordBase, VersionReply, refuse_foreign
+from .inbox import INBOX_CONSTANTS
 from .layout import Part, duration
 from .lua import Replies, Script
 from .marks import ENQUEUED
@@ -68,7 +69,8 @@ class HandoffFields(RecordBase):
 
     reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
                      writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
-                     readers=("PARK", "ops.keystatus", "run.lost", "policies.newest", "protocol.started"))
+                     readers=("PARK", "COALESCE", "ops.keystatus", "run.lost", "policies.newest",
+                              "protocol.started"))
     by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
                " the same",
                writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
@@ -115,8 +117,9 @@ _LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY, "TAKEN": TA
 PARK = Script("PARK", "handoff/park.lua", _LIBS, replies=(ParkReply,), constants=_LUA)
 JOIN = Script("JOIN", "handoff/join.lua", _LIBS, replies=(JoinReply,), constants=_LUA)
 RESUME = Script("RESUME", "handoff/resume.lua", _LIBS, replies=(ResumeReply, VersionReply), constants=_LUA)
-FORCE_RELEASE = Script("FORCE_RELEASE", "handoff/force_release.lua", (*_LIBS, "lease/lease.lua"),
-                       replies=(ForceReleaseReply, VersionReply), constants=_LUA)
+FORCE_RELEASE = Script("FORCE_RELEASE", "handoff/force_release.lua",
+                       (*_LIBS, "lease/lease.lua", "inbox/inbox.lua"),
+                       replies=(ForceReleaseReply, VersionReply), constants={**_LUA, **INBOX_CONSTANTS})
 SCRIPTS = (PARK, JOIN, RESUME, FORCE_RELEASE)
 
 

@@ -22,13 +22,14 @@ from .. import constants
 from .context import Feature, due_ms, ms, text
 from .fields import MS, TEXT, Field, RecordBase, json_member, member
 from .handoff import ADOPTED, OWN_COPY, PARKED, QUEUE, WAITING
+from .inbox import INBOX_CONSTANTS
 from .layout import Part, duration
 from .lua import Replies, Script, Template
 
 __all__ = [
     "BOOK", "COALESCE", "NEWEST_PATTERNS", "NEWEST_START", "NEWEST_TEMPLATES", "PARTS", "SCRIPTS",
-    "SUPERSEDING", "CoalesceReply", "NewestCalls", "NewestFields", "Notice", "ProgressNotice", "RenewNotice",
-    "StartReply", "Started",
+    "SUPERSEDING", "TOLD_SUPERSEDED", "CoalesceReply", "NewestCalls", "NewestFields", "Notice",
+    "ProgressNotice", "RenewNotice", "StartReply", "Started",
 ]
 
 BOOK = Part("coalesce", "hash: `s:<id>` → send stamp, `o:<id>` → messages, `latest`",
@@ -70,6 +71,11 @@ NEWEST_TEMPLATES = {
 NEWEST_PATTERNS = {"SUPERSEDED_MARK": json_member("sup_by")}
 
 
+#: the kind of the push that tells a holder's process it was superseded (:mod:`.inbox`); its
+#: fields: by whom (task id), when, and when it is revoked unless it ended (epoch ms)
+TOLD_SUPERSEDED = "superseded"
+
+
 class RenewNotice(Replies):
     """What RENEW answers for a lease a newer run superseded."""
 
@@ -96,8 +102,10 @@ class StartReply(Replies):
 
 
 COALESCE = Script("COALESCE", "newest/coalesce.lua",
-                  ("shared/common.lua", "handoff/handoff.lua", "newest/newest.lua"),
-                  replies=(CoalesceReply,), constants={**constants.LUA_CONSTANTS, "OWN_COPY": OWN_COPY},
+                  ("shared/common.lua", "handoff/handoff.lua", "newest/newest.lua", "inbox/inbox.lua"),
+                  replies=(CoalesceReply,),
+                  constants={**constants.LUA_CONSTANTS, **INBOX_CONSTANTS, "OWN_COPY": OWN_COPY,
+                             "TOLD_SUPERSEDED": TOLD_SUPERSEDED},
                   templates=NEWEST_TEMPLATES)
 NEWEST_START = Script("NEWEST_START", "newest/start.lua", ("newest/newest.lua",), replies=(StartReply,),
                       constants=constants.LUA_CONSTANTS, templates=NEWEST_TEMPLATES)

@@ -74,10 +74,10 @@ class LeaseFields(RecordBase):
                       readers=(*_RECORD_WRITERS, "ops.keystatus", "run.lost", "policies.newest"))
     worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
                    readers=(*_RECORD_WRITERS, "ops.keystatus", "run.lost"))
-    host = Field(TEXT, "the holder's host", writers=("ACQUIRE",),
-                 readers=("ops.keystatus", "worker.bootstep"))
-    pid = Field(NUMBER, "the holder's process id", writers=("ACQUIRE",),
-                readers=("ops.keystatus", "worker.bootstep"))
+    host = Field(TEXT, "the holder's host (and its process's inbox)", writers=("ACQUIRE",),
+                 readers=("COALESCE", "FORCE_RELEASE", "ops.keystatus", "worker.bootstep"))
+    pid = Field(NUMBER, "the holder's process id (and its process's inbox)", writers=("ACQUIRE",),
+                readers=("COALESCE", "FORCE_RELEASE", "ops.keystatus", "worker.bootstep"))
     rt = Field(TEXT, "the token of the release that ended the last run: its replay finds it and answers"
                " as before", writers=_RECORD_WRITERS, readers=("worker.bootstep", "worker.sweeper"))
     lost = Field(TEXT, "the fences of recent runs whose lease ran out unreleased: a late release learns"

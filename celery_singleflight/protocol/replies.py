@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
-__all__ = ["Acquired", "DeadHolder", "Held", "Holder", "Parked", "Settlement"]
+__all__ = ["Acquired", "DeadHolder", "Held", "Holder", "Parked", "Settlement", "this_process"]
 
 _HOST = socket.gethostname()
 _PID = [os.getpid()]
@@ -22,6 +22,11 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 def _pid() -> int:
     return _PID[0]
+
+
+def this_process() -> tuple[str, int]:
+    """The host and pid a run record of this process names (its inbox's address)."""
+    return _HOST, _PID[0]
 
 
 @dataclass(frozen=True)

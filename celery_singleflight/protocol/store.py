@@ -16,7 +16,7 @@ from typing import Any
 from .. import constants
 from ..connection.clients import redis_client
 from ..connection.targets import RedisTarget
-from . import delayed, epoch, fences, handoff, lease, marks, newest, order, started, timing
+from . import delayed, epoch, fences, handoff, inbox, lease, marks, newest, order, started, timing
 from .context import Context, ms
 from .delayed import DelayedCalls
 from .epoch import EpochCalls
@@ -33,7 +33,7 @@ from .server import MARK
 from .started import StartedCalls
 from .timing import TimeCalls
 
-__all__ = ["INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout", "LeaseStore", "keys_table",
+__all__ = ["CHANNELS", "INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout", "LeaseStore", "keys_table",
            "store_for"]
 
 #: every Redis key of one lock (``<ns>:{<key>}:<name>``), in the order of the docs' table
@@ -42,6 +42,8 @@ PARTS: tuple[Part, ...] = (RUN, HISTORY, *handoff.PARTS, marks.ENQUEUED, *newest
 #: the keys of a whole namespace (``<ns>:<name>``), outside any lock's hash slot
 INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING, delayed.DELAYED_DUE,
                              delayed.WORKERS, started.STARTED, epoch.EPOCH_KEY, MARK)
+#: the pub/sub channels of a namespace (``<ns>:<name>:...``)
+CHANNELS: tuple[Part, ...] = (inbox.INBOX,)
 #: every script the library runs on the lease Redis (the worker's start loads them all)
 SCRIPTS: tuple[Script, ...] = (*lease.SCRIPTS, *handoff.SCRIPTS, *marks.SCRIPTS, *newest.SCRIPTS,
                                *order.SCRIPTS, *timing.SCRIPTS, *delayed.SCRIPTS, *epoch.SCRIPTS)
@@ -71,7 +73,7 @@ for _part in (*PARTS, *INDEXES):
 
 def keys_table(namespace: str = "sf", key: str = "sync:42", idempotency_key: str = "msg:acme:7") -> str:
     """The Markdown table of every Redis key of the protocol, for the docs."""
-    return parts_table((*PARTS, *INDEXES), namespace, key, idempotency_key)
+    return parts_table((*PARTS, *INDEXES, *CHANNELS), namespace, key, idempotency_key)
 
 
 class LeaseStore:

@@ -6,6 +6,7 @@ call. A renewal that finds a lease gone marks it lost; a Redis error is retried 
 second until the lease's own time is up, and then the lease is marked lost too: never silently.
 Any other exception in one pass is logged with its traceback and the thread goes on renewing:
 one broken lease or flush must not leave every other lease of the process to expire.
+Beside it, the process's :class:`~.inbox.Inbox` hears at once what a renewal would find later.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .. import constants
 from ..connection.clients import last_attempt_sent
 from ..protocol.lease import RenewReply
 from ..protocol.store import LeaseStore
+from .inbox import Inbox
 from .lease import Lease
 
 __all__ = ["Heartbeat", "heartbeat_for"]
@@ -44,6 +46,9 @@ class Heartbeat:
         #: when the thread will next look at the leases (monotonic); +inf while it is busy, so
         #: that a lease added meanwhile is always seen
         self._planned = float("inf")
+        #: the push listener: a holder told at once, between renewals
+        self.inbox = Inbox(store.client, self.held)
+        self._namespaces = {store.layout.namespace}
         self.rounds = 0  # renewal round trips made; read by tests and benchmarks
         self.wakeups = 0  # times the thread woke up before its planned look (an add, a flush)
 
@@ -61,6 +66,10 @@ class Heartbeat:
                     target=self._run, name="singleflight-heartbeat", daemon=True
                 )
                 self._thread.start()
+                self.inbox.listen(self.store.layout)
+            if lease.store is not self.store and lease.layout.namespace not in self._namespaces:
+                self._namespaces.add(lease.layout.namespace)
+                self.inbox.listen(lease.layout)
             if mod_time.monotonic() + lease.interval < self._planned:
                 self._wake.set()
 
@@ -80,6 +89,7 @@ class Heartbeat:
             return [lease for lease in self._leases if not lease.lost_known and not lease.released]
 
     def stop(self) -> None:
+        self.inbox.stop()
         self._stop.set()
         self._wake.set()
         thread = self._thread

@@ -18,9 +18,10 @@ import redis
 
 from .. import constants, signals
 from ..errors import LeaseLost, Superseded
+from ..protocol.inbox import RELEASED, Told
 from ..protocol.layout import Layout
 from ..protocol.lease import ProgressReply, RenewReply
-from ..protocol.newest import Notice, ProgressNotice, RenewNotice
+from ..protocol.newest import TOLD_SUPERSEDED, Notice, ProgressNotice, RenewNotice
 from ..protocol.store import LeaseStore
 from .progress import ProgressReporter, ProgressUpdate
 
@@ -36,8 +37,9 @@ class Lease:
     ``fence`` only grows per key; pass it to writes that must refuse stale holders.
     ``lost`` turns true when a renewal or a progress write finds the lease gone, or when the
     lease's own clock passes its TTL without a confirmed renewal; ``check()`` then raises.
-    ``superseded`` turns true when a renewal finds that a newer run superseded this one;
-    ``check()`` then raises :class:`Superseded`.
+    ``superseded`` turns true when a push to the process (:mod:`.inbox`) or a renewal says that a
+    newer run superseded this one; ``check()`` then raises :class:`Superseded`, and
+    ``wait_superseded()`` returns.
     """
 
     key: str
@@ -63,6 +65,8 @@ class Lease:
     reporter: ProgressReporter | None = field(default=None, repr=False)
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _progress_seq: int = field(default=0, repr=False)
+    #: set when the run must stop (superseded or lost); made by the first wait_superseded() only
+    _stopping: threading.Event | None = field(default=None, repr=False)
 
     @property
     def deadline(self) -> float:
@@ -104,6 +108,30 @@ class Lease:
             left = None if self.revoke_at is None else self.revoke_at - mod_time.time()
             raise Superseded(self.key, self.superseded_by, self.superseded_at, left)
 
+    def wait_superseded(self, timeout: float | None = None) -> bool:
+        """Block until this run must stop (superseded, or its lease lost) or ``timeout`` seconds
+        pass; True if it must stop. For a body that waits on something else (a queue, a socket,
+        a subprocess): wait here in a thread, or poll it between blocking calls. It wakes within
+        milliseconds of a push (:mod:`.inbox`), at the latest at the next renewal, and on its own
+        when the lease's clock runs out."""
+        with self._guard:
+            if self._stopping is None:
+                self._stopping = threading.Event()
+            stopping = self._stopping
+        end = None if timeout is None else mod_time.monotonic() + timeout
+        while True:
+            if self.superseded or self.lost:
+                return True
+            now = mod_time.monotonic()
+            if self.released or (end is not None and now >= end):
+                return False
+            wait = max(0.0, self.deadline - now)
+            stopping.wait(wait if end is None else min(wait, end - now))
+
+    def _stop_waiters(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
     def mark_superseded(self, by: str, at: float | None = None, revoke_at: float | None = None) -> None:
         """Record once that run ``by`` superseded this one: flag, warning log and
         ``lease_superseded`` signal. The lease stays held until the run ends (or is revoked)."""
@@ -112,6 +140,7 @@ class Lease:
                 return
             self.superseded_by, self.superseded_at, self.revoke_at = by, at, revoke_at
             self.superseded = True
+        self._stop_waiters()
         log_renew.warning("lease superseded: key=%r task=%s[%s] fence=%s by %s", self.key, self.task_name,
                           self.task_id, self.fence, by)
         signals.lease_superseded.send(sender=self.task_name, lease=self, by=by)
@@ -169,6 +198,23 @@ class Lease:
         else:
             self.mark_superseded(notice.by, notice.at, notice.revoke_at)
 
+    def hear(self, told: Told) -> bool:
+        """A push to this process (:mod:`.inbox`) says what a renewal would find later: a newer
+        run superseded this one, or an operator force-released it. False for an unknown kind."""
+        if told.kind == TOLD_SUPERSEDED:
+            due = told.field(2)
+            self.mark_superseded(told.field(0), told.ms(1), told.ms(2))
+            if due.isdigit():  # revoked after its grace even if the newcomer died before indexing it
+                try:
+                    self.store.newest.mark_superseding(self.key, int(due))
+                except redis.RedisError as exc:
+                    log_renew.debug("could not index superseded key=%r: %s", self.key, exc)
+            return True
+        if told.kind == RELEASED:
+            self.mark_lost(f"force-released by {told.field(0)}")
+            return True
+        return False
+
     def mark_lost(self, reason: str, *, at_release: bool = False) -> None:
         """Record the loss once: flag, warning log and ``lease_lost`` signal.
 
@@ -180,6 +226,7 @@ class Lease:
                 return
             self.lost_known = True
             self.lost_reason = reason
+        self._stop_waiters()
         log_renew.warning(
             "lease lost: key=%r task=%s[%s] fence=%s: %s",
             self.key, self.task_name, self.task_id, self.fence, reason,

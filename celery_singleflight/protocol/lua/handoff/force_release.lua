@@ -41,6 +41,7 @@ if version then
   return {FOREIGN, version}
 end
 local now = clock()
+tell_holder(KEYS[slot], r, TOLD_RELEASED .. '\31' .. by)
 if not r.reserved then
   r.lost = add_lost(r.lost, r.fence) -- its holder's late release must learn it lost the key
 end

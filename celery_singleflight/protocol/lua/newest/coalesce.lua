@@ -19,7 +19,7 @@
 -- this run parked and answers as the first did; every held record is flagged ``waiting``, so
 -- its release hands the key on (the queue's hand-off, unchanged). A superseded record keeps
 -- when it was first superseded (``sup_at``, and ``sup_due``: when it is revoked); ``sup_by``
--- names the newest run that superseded it.
+-- names the newest run that superseded it, and the holder's process is told at once (a push).
 -- return {FREE} if a slot is free (acquire again), unless a run sent after it is pending or started;
 --        {PENDING, ms until the first holder's lease runs out, sup_due ms or '', messages...} once
 --        this run is the pending one: the messages of the runs it replaced (the caller ends them,
@@ -101,6 +101,9 @@ for i = 1, n do
   end
   if changed then
     redis.call('SET', KEYS[i], cjson.encode(r), 'KEEPTTL')
+  end
+  if mode == 'supersede' then
+    tell_holder(KEYS[i], r, TOLD_SUPERSEDED .. '\31' .. id .. '\31' .. r.sup_at .. '\31' .. r.sup_due)
   end
 end
 return append({PENDING, left, recs[1].sup_due or ''}, replaced)

@@ -1,0 +1,253 @@
+"""Told at once: a superseded or force-released holder learns it through a push to its process,
+within milliseconds, not at its next renewal (the lease TTL here is the default, 30 s: a renewal
+every 10 s, so anything under a second is the push). A lost push is still caught by the renewal.
+And newest means last sent: sends reordered by a countdown or by two queues end with the last
+one sent completing."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery import states as celery_states
+
+import celery_singleflight as sf
+from celery_singleflight import LeaseLost, Superseded, hold
+from celery_singleflight.protocol.inbox import Told
+from celery_singleflight.protocol.replies import Holder
+from celery_singleflight.run.heartbeat import heartbeat_for
+from celery_singleflight.testing import RedisServer
+
+from .conftest import wait_for
+
+#: far below the first renewal (lock_ttl / 3 = 10 s with the default TTL), far above a push
+TOLD_WITHIN = 1.5
+
+
+def _started(sfapp: ModuleType, key: str) -> list[int]:
+    return [int(x) for x in sfapp.recorder.lrange(f"started:{key}", 0, -1)]
+
+
+def _done(sfapp: ModuleType, key: str) -> list[int]:
+    return [int(x) for x in sfapp.recorder.lrange(f"done:{key}", 0, -1)]
+
+
+def _raised(sfapp: ModuleType, key: str, n: int) -> float | None:
+    raw = sfapp.recorder.get(f"raised:{key}:{n}")
+    return None if raw is None else float(raw)
+
+
+@pytest.mark.worker
+def test_a_superseded_holder_is_told_at_once_with_the_default_ttl(
+    sfapp: ModuleType, start_worker: Any
+) -> None:
+    """Given a holder with the default 30 s lease that checks every 10 ms, when a newcomer is
+    sent, then the holder's check() raises Superseded (naming the newcomer) well within a second,
+    ten rounds in a row (its first renewal would come after 10 s), and the newcomer completes."""
+    q = start_worker(concurrency=2).queue
+    for round_ in range(10):
+        key = f"push-{round_}-{uuid.uuid4().hex[:6]}"
+        holder = sfapp.told_at_once.apply_async((key, 0, 30.0), queue=q)
+        wait_for(lambda key=key: _started(sfapp, key) == [0], timeout=15)
+        sent = time.time()
+        newcomer = sfapp.told_at_once.apply_async((key, 1), queue=q)
+        with pytest.raises(Superseded) as info:
+            holder.get(timeout=15)
+        assert info.value.by == newcomer.id
+        told = _raised(sfapp, key, 0)
+        assert told is not None and told - sent < TOLD_WITHIN, f"round {round_}: {told and told - sent} s"
+        assert newcomer.get(timeout=15) == 1
+        assert _done(sfapp, key) == [1]
+
+
+@pytest.mark.worker
+def test_a_force_released_holder_is_told_at_once(sfapp: ModuleType, start_worker: Any) -> None:
+    """Given a holder with the default lease, when an operator force-releases its key, then its
+    next check() raises LeaseLost within a second, and the key's status says who released it."""
+    q = start_worker(concurrency=2).queue
+    key = f"fr-{uuid.uuid4().hex[:6]}"
+    holder = sfapp.told_at_once.apply_async((key, 0, 30.0), queue=q)
+    wait_for(lambda: _started(sfapp, key) == [0], timeout=15)
+    sent = time.time()
+    assert sf.force_release(sfapp.app, f"told:{key}", by="ops@test") is not None
+    with pytest.raises(LeaseLost) as info:
+        holder.get(timeout=15)
+    assert "force-released by ops@test" in str(info.value)
+    told = _raised(sfapp, key, 0)
+    assert told is not None and told - sent < TOLD_WITHIN
+    assert sfapp.recorder.get(f"why:{key}:0") == b"LeaseLost"
+
+
+@pytest.mark.worker
+def test_wait_superseded_wakes_a_blocked_body_at_once(sfapp: ModuleType, start_worker: Any) -> None:
+    """Given a body blocked in self.lease.wait_superseded(30), when a newcomer is sent, it wakes
+    within a second and its check() raises Superseded; a body never superseded waits its timeout
+    and completes."""
+    q = start_worker(concurrency=2).queue
+    key = f"ws-{uuid.uuid4().hex[:6]}"
+    holder = sfapp.waits_superseded.apply_async((key, 0, 30.0), queue=q)
+    wait_for(lambda: _started(sfapp, key) == [0], timeout=15)
+    sent = time.time()
+    newcomer = sfapp.waits_superseded.apply_async((key, 1, 0.3), queue=q)
+    with pytest.raises(Superseded):
+        holder.get(timeout=15)
+    told = _raised(sfapp, key, 0)
+    assert told is not None and told - sent < TOLD_WITHIN
+    assert newcomer.get(timeout=15) == 1
+    assert _done(sfapp, key) == [1]
+
+
+@pytest.mark.worker
+def test_no_grace_revokes_a_holder_that_never_checks_at_once(sfapp: ModuleType, start_worker: Any) -> None:
+    """Given supersede_grace=0 and a holder that never checks, when a newcomer is sent, the
+    newcomer's process revokes the holder at once (not at the next sweep) and then runs."""
+    q = start_worker(concurrency=2).queue
+    key = f"rv-{uuid.uuid4().hex[:6]}"
+    holder = sfapp.revoked_at_once.apply_async((key, 0, 60.0), queue=q)
+    wait_for(lambda: _started(sfapp, key) == [0], timeout=15)
+    sent = time.time()
+    newcomer = sfapp.revoked_at_once.apply_async((key, 1, 0.05), queue=q)
+    assert wait_for(lambda: holder.state == celery_states.REVOKED, timeout=10)
+    assert newcomer.get(timeout=15) == 1
+    assert time.time() - sent < 5.0  # the sweeper alone looks every few seconds, then revokes
+    assert _done(sfapp, key) == [1]
+
+
+@pytest.mark.worker
+def test_sends_reordered_by_a_countdown_end_with_the_last_sent_completing(
+    sfapp: ModuleType, start_worker: Any
+) -> None:
+    """Given a holder, when versions 1-9 are sent with countdown=1.5 and then version 10 with
+    none, version 10 supersedes the holder and completes; 1-9, arriving after it started, end
+    Superseded by version 10 without running."""
+    q = start_worker(concurrency=4).queue
+    key = f"cd-{uuid.uuid4().hex[:6]}"
+    holder = sfapp.told_at_once.apply_async((key, 0, 30.0), queue=q)
+    wait_for(lambda: _started(sfapp, key) == [0], timeout=15)
+    late = [sfapp.told_at_once.apply_async((key, n, 0.05), queue=q, countdown=1.5) for n in range(1, 10)]
+    last = sfapp.told_at_once.apply_async((key, 10, 3.0), queue=q)
+    assert last.get(timeout=20) == 10
+    for result in (holder, *late):
+        with pytest.raises(Superseded) as info:
+            result.get(timeout=15)
+        if result is not holder:
+            assert info.value.by == last.id
+    assert _done(sfapp, key) == [10]
+    assert _started(sfapp, key) == [0, 10]
+
+
+@pytest.mark.worker
+def test_sends_reordered_by_two_queues_end_with_the_last_sent_completing(
+    sfapp: ModuleType, start_worker: Any
+) -> None:
+    """Given version 1 sent to a queue nobody consumes yet and version 2 sent after it to a
+    consumed queue, when version 1 arrives (its queue's worker starts) while version 2 runs and
+    again after it completed, it ends Superseded by version 2 and never runs."""
+    fast = start_worker(concurrency=2).queue
+    slow = f"q-slow-{uuid.uuid4().hex[:8]}"
+    key = f"qq-{uuid.uuid4().hex[:6]}"
+    older = sfapp.told_at_once.apply_async((key, 1, 0.05), queue=slow)
+    newer = sfapp.told_at_once.apply_async((key, 2, 2.0), queue=fast)
+    wait_for(lambda: _started(sfapp, key) == [2], timeout=15)
+    start_worker(concurrency=2, queue=slow)
+    with pytest.raises(Superseded) as info:
+        older.get(timeout=15)
+    assert info.value.by == newer.id
+    assert newer.get(timeout=15) == 2
+    after = sfapp.told_at_once.apply_async((key, 1, 0.05), queue=slow)
+    assert after.get(timeout=15) == 1  # a new send is newer: it runs
+    assert _done(sfapp, key) == [2, 1]
+
+
+# -- in this process: a real Redis, the real heartbeat and inbox ------------------------------
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Iterator[Celery]:
+    app = Celery("told", set_as_current=False)
+    app.conf.singleflight_redis_url = f"{redis_server.url}/7"
+    app.conf.singleflight_namespace = f"told-{uuid.uuid4().hex[:6]}"
+    yield app
+
+
+def _inbox_ready(app: Celery, key: str) -> Any:
+    """Hold ``key`` once so this process's inbox listens, and return the heartbeat."""
+    with hold(app, key) as lease:
+        beat = heartbeat_for(lease.lease.store)
+    assert beat.inbox.subscribed.wait(5)
+    return beat
+
+
+def test_a_hold_learns_a_force_release_through_the_push(app: Celery) -> None:
+    """Given a hold with the default TTL, when its key is force-released, the hold's lease is lost
+    within a second (the push), and wait_superseded() returns True."""
+    key = f"h-{uuid.uuid4().hex[:6]}"
+    beat = _inbox_ready(app, key + "-warm")
+    heard = beat.inbox.heard
+    with hold(app, key) as lease:
+        woke = threading.Event()
+        threading.Thread(target=lambda: lease.lease.wait_superseded(30) and woke.set(), daemon=True).start()
+        sent = time.monotonic()
+        assert sf.force_release(app, key, by="ops") is not None
+        assert woke.wait(TOLD_WITHIN), "wait_superseded did not wake"
+        assert time.monotonic() - sent < TOLD_WITHIN
+        assert lease.lost and beat.inbox.heard == heard + 1
+        with pytest.raises(LeaseLost, match="force-released by ops"):
+            lease.check()
+
+
+def test_a_lost_push_is_caught_by_the_renewal(app: Celery) -> None:
+    """Given the inbox's connection cut (its listener stopped, the pub/sub client killed), when the
+    hold's key is force-released, the push is lost, and the renewal still finds the loss within
+    one interval (ttl 1.5 s: a renewal every 0.5 s)."""
+    key = f"cut-{uuid.uuid4().hex[:6]}"
+    beat = _inbox_ready(app, key + "-warm")
+    beat.inbox.stop()
+    client = beat.store.client
+    client.client_kill_filter(_type="pubsub")
+    wait_for(lambda: not (beat.inbox._thread and beat.inbox._thread.is_alive()), timeout=5)
+    heard = beat.inbox.heard
+    try:
+        with hold(app, key, ttl=1.5) as lease:
+            assert sf.force_release(app, key, by="ops") is not None
+            assert lease.lease.wait_superseded(1.2), "the renewal did not find the loss"
+            assert lease.lost and beat.inbox.heard == heard
+    finally:
+        beat.inbox._stop.clear()
+        beat.inbox.listen(beat.store.layout)
+
+
+def test_a_message_for_a_lease_this_process_does_not_hold_is_dropped(app: Celery) -> None:
+    """A push naming a token this process does not hold (a pid reused by a new process, a lease
+    released meanwhile) marks nothing."""
+    key = f"drop-{uuid.uuid4().hex[:6]}"
+    with hold(app, key) as lease:
+        beat = heartbeat_for(lease.lease.store)
+        run_key = lease.lease.layout.run(key)
+        assert not beat.inbox.deliver(Told(run_key, "not-its-token", "released", ("ops",)))
+        assert not beat.inbox.deliver(Told(run_key, lease.lease.token, "unknown-kind", ()))
+        assert not lease.lost
+        assert Told.decode(b"no separators") is None
+    assert Holder("x").host and Holder("x").pid
+
+
+def test_the_inbox_listens_again_after_its_connection_is_cut(app: Celery) -> None:
+    """Given the inbox's pub/sub connection killed by the server, the listener connects and
+    subscribes again (within about a second), and the next force-release is told by the push."""
+    key = f"again-{uuid.uuid4().hex[:6]}"
+    beat = _inbox_ready(app, key + "-warm")
+    beat.inbox.subscribed.clear()
+    assert beat.store.client.client_kill_filter(_type="pubsub") >= 1
+    assert beat.inbox.subscribed.wait(5), "the inbox did not subscribe again"
+    heard = beat.inbox.heard
+    with hold(app, key) as lease:
+        sent = time.monotonic()
+        assert sf.force_release(app, key, by="ops") is not None
+        assert lease.lease.wait_superseded(TOLD_WITHIN) and time.monotonic() - sent < TOLD_WITHIN
+        assert beat.inbox.heard == heard + 1
