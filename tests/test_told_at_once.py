@@ -6,6 +6,7 @@ one sent completing."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -14,11 +15,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery import states as celery_states
 
 import celery_singleflight as sf
 from celery_singleflight import LeaseLost, Superseded, hold
+from celery_singleflight.ops.acl import acl_rule
 from celery_singleflight.protocol.inbox import Told
 from celery_singleflight.protocol.replies import Holder
 from celery_singleflight.run.heartbeat import heartbeat_for
@@ -251,3 +254,31 @@ def test_the_inbox_listens_again_after_its_connection_is_cut(app: Celery) -> Non
         assert sf.force_release(app, key, by="ops") is not None
         assert lease.lease.wait_superseded(TOLD_WITHIN) and time.monotonic() - sent < TOLD_WITHIN
         assert beat.inbox.heard == heard + 1
+
+
+def test_a_user_whose_acl_allows_no_channel_still_supersedes_and_learns_at_the_renewal(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given an ACL user with the rule from before the push (no channel), its inbox is refused
+    (one WARNING), a force-release still works (the script's PUBLISH is allowed to fail), and the
+    holder learns it at its next renewal (ttl 1.5 s: a renewal every 0.5 s)."""
+    namespace = f"noch-{uuid.uuid4().hex[:6]}"
+    user = f"noch-{uuid.uuid4().hex[:6]}"
+    rule = [word for word in acl_rule(namespace, "pw") if not word.startswith("&")]
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", user, *rule)
+    try:
+        app = Celery("noch", set_as_current=False)
+        app.conf.singleflight_redis_url = f"redis://{user}:pw@127.0.0.1:{redis_server.port}/0"
+        app.conf.singleflight_namespace = namespace
+        key = f"k-{uuid.uuid4().hex[:6]}"
+        with caplog.at_level(logging.WARNING, logger="celery_singleflight.renew"), \
+                hold(app, key, ttl=1.5) as lease:
+            beat = heartbeat_for(lease.lease.store)
+            wait_for(lambda: beat.inbox._refused, timeout=5)
+            assert sf.force_release(app, key, by="ops") is not None
+            assert lease.lease.wait_superseded(1.2), "the renewal did not find the loss"
+            assert beat.inbox.heard == 0
+        assert sum("cannot subscribe" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)

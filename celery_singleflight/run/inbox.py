@@ -34,6 +34,8 @@ log = logging.getLogger("celery_singleflight.renew")
 
 #: how long one read waits before the listener looks for a new namespace to subscribe to
 LISTEN_WAIT = 1.0
+#: how long the listener waits before it tries again when the ACL refuses its channel
+NOT_ALLOWED_WAIT = 60.0
 
 
 class Inbox:
@@ -46,6 +48,7 @@ class Inbox:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._refused = False  # the ACL refused the channel (warned once)
         self.heard = 0  # messages that marked a lease; read by tests and benchmarks
         self.subscribed = threading.Event()  # set once the first subscription is confirmed
 
@@ -69,11 +72,19 @@ class Inbox:
                 pubsub = self.client.pubsub(ignore_subscribe_messages=True)
                 self._listen(pubsub)
             except Exception as exc:  # the renewal covers what is missed meanwhile
-                if isinstance(exc, redis.RedisError):
+                wait = constants.HEARTBEAT_ERROR_RETRY
+                if isinstance(exc, redis.exceptions.NoPermissionError):
+                    # an ACL rule from before the push: holders learn at their renewals instead
+                    if not self._refused:
+                        log.warning("cannot subscribe to this process's inbox (%s): a superseded or"
+                                    " force-released holder learns it at its next renewal; give the"
+                                    " user the rule of `celery singleflight acl`", exc)
+                    self._refused, wait = True, NOT_ALLOWED_WAIT
+                elif isinstance(exc, redis.RedisError):
                     log.debug("inbox connection lost (%s); renewals cover the gap", exc)
                 else:
                     log.exception("inbox listener failed; listening again")
-                self._stop.wait(constants.HEARTBEAT_ERROR_RETRY)
+                self._stop.wait(wait)
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):  # closing a broken connection
