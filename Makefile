@@ -112,6 +112,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_time_policies.py --write-docs
 	$(PY) benchmarks/bench_cluster.py --write-docs
 	$(PY) benchmarks/bench_policies.py --write-docs
+	$(PY) benchmarks/bench_replicas.py --write-docs
 
 clean:
 	rm -rf $(VENV) $(LOWEST) $(HIGHEST) .mypy_cache .pytest_cache .ruff_cache site

@@ -12,6 +12,7 @@
     ├── ProgressError           (a progress() call with bad values; also a ValueError)
     ├── ProtocolMismatch        (a key's record was written by another protocol version)
     ├── RedisUnavailable        (Redis could not be reached and the task failed closed)
+    ├── ReplicasUnavailable     (a grant not acknowledged by ``min_replicas`` replicas; also a RedisError)
     ├── RunLost                 (a run that waited, then started, was lost with its worker)
     ├── WaitingLost             (a waiting run lost with the lease Redis's data, not sent again)
     └── Throttled               (the ``RETRY`` meta of a run over its key_rate_limit: not a failure)
@@ -21,6 +22,8 @@ side, so every constructor passes all of its arguments to ``super().__init__``.
 """
 
 from __future__ import annotations
+
+from redis.exceptions import RedisError
 
 __all__ = [
     "ConfigurationError",
@@ -32,6 +35,7 @@ __all__ = [
     "ProtocolMismatch",
     "QueueFull",
     "RedisUnavailable",
+    "ReplicasUnavailable",
     "RunLost",
     "SingleFlightError",
     "Throttled",
@@ -161,6 +165,26 @@ class RedisUnavailable(SingleFlightError):
             f"Redis could not guard key {self.key!r} for {self.waited:.1f}s: {self.detail}. Nothing ran"
             " unguarded (fail_closed); check that Redis is reachable, has memory left and is a primary"
         )
+
+
+class ReplicasUnavailable(SingleFlightError, RedisError):
+    """The primary granted ``key``, but only ``acknowledged`` of the ``needed`` replicas
+    (``min_replicas``) confirmed the grant within ``timeout`` seconds: a failover now could lose
+    the lease. It counts as "Redis unavailable" (``on_redis_error``); the grant is released."""
+
+    def __init__(self, key: str, needed: int = 1, acknowledged: int = 0, timeout: float = 0.0) -> None:
+        super().__init__(key, needed, acknowledged, timeout)
+        self.key = key
+        self.needed = needed
+        self.acknowledged = acknowledged
+        self.timeout = timeout
+
+    def __repr__(self) -> str:  # redis-py's RedisError shows only the class
+        return f"ReplicasUnavailable({self.key!r}, {self.needed}, {self.acknowledged}, {self.timeout})"
+
+    def __str__(self) -> str:
+        return (f"key {self.key!r}: {self.acknowledged} of the {self.needed} replica(s) min_replicas asks"
+                f" for confirmed the grant within {self.timeout:g}s")
 
 
 class RunLost(SingleFlightError):

@@ -261,7 +261,9 @@ def hold(
     ``slots``: the key's ``max_concurrency``, to take any free slot of it (default: its first slot);
     ``namespace``: the ``lock_namespace`` of tasks that have their own (default: the app's).
     Raises :class:`RedisUnavailable` if Redis cannot serve the key: no fail-open here, the
-    caller decides.
+    caller decides. The app's ``singleflight_min_replicas`` applies: a grant fewer replicas
+    confirmed is released and raises :class:`RedisUnavailable` (its cause:
+    :class:`ReplicasUnavailable`), and renewals they do not confirm run the lease's clock out.
     """
     return Hold(app, key, ttl=ttl, wait=wait, holder=holder, progress_rate=progress_rate, slots=slots,
                 namespace=namespace)

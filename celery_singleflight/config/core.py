@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import constants
 from ..connection.targets import RedisTarget
 from ..errors import ConfigurationError, KeyTemplateError
 from ..protocol.layout import Layout
@@ -59,6 +60,19 @@ def _max_wait(where: str, value: Any, ctx: Resolving) -> float | None:
     if value in ("none", "None", float("inf")):
         return None
     return seconds(allow_zero=True)(where, value, ctx)  # type: ignore[no-any-return]
+
+
+def _replica_timeout(where: str, value: Any, ctx: Resolving) -> float:
+    timeout = float(seconds()(where, value, ctx))
+    transport = ctx.values.get("redis_transport_options")
+    limit = float((transport.get("socket_timeout") if isinstance(transport, dict) else None)
+                  or constants.SOCKET_TIMEOUT)
+    if timeout >= min(limit, ctx.values["ttl"]):
+        raise ConfigurationError(
+            f"{where} is {timeout}s but must be shorter than the lease TTL ({ctx.values['ttl']}s) and the"
+            f" Redis socket timeout ({limit}s): WAIT holds the connection that long"
+        )
+    return timeout
 
 
 def _target(ctx: Resolving) -> RedisTarget:
@@ -163,6 +177,18 @@ class CoreOptions(OptionGroup):
         meaning="`fail_closed`: how long a task is re-sent while Redis is unavailable, before it fails with"
         " `RedisUnavailable`.",
         values="Seconds, zero or more; `\"none\"` or `float(\"inf\")` for no limit.",
+    )
+    min_replicas = Option[int](
+        task="min_replicas", default=0, check=count(0),
+        meaning="How many replicas must confirm a grant (`WAIT`) before the body runs, else it counts as"
+        " Redis unavailable: a failover cannot hand the key out twice ([guarantees](guarantees.md"
+        "#redis-failover)).",
+        values="A whole number; 0 (off) or at most the lease Redis's replicas.",
+    )
+    min_replicas_timeout = Option[float](
+        task="min_replicas_timeout", default=0.5, check=_replica_timeout,
+        meaning="How long an acquire or a renewal waits for `min_replicas` replicas.",
+        values="Seconds, above zero, below the TTL and the Redis socket timeout (5 s).",
     )
     status_retention = Option[float](
         default=300.0, check=seconds(allow_zero=True),

@@ -24,6 +24,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from .. import constants
+from ..errors import ReplicasUnavailable
 from .targets import RedisTarget, build_client, redacted_url, target_from_settings
 
 __all__ = [
@@ -45,12 +46,12 @@ UNREACHABLE: tuple[type[Exception], ...] = (
 )
 #: server states that refuse a command for now: out of memory, a replica during a failover,
 #: loading a dataset, no primary, a script running too long, a cluster resharding or down, too
-#: few replicas for ``min-replicas-to-write``
+#: few replicas for ``min-replicas-to-write``; and a grant too few replicas confirmed (``min_replicas``)
 UNAVAILABLE_STATES = ("OOM", "READONLY", "LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN",
                       "NOREPLICAS")
 _STATE_CLASSES: tuple[type[Exception], ...] = (
     redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError,
-    redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterDownError, ReplicasUnavailable,
 )
 # the error code opens the reply, or follows a '-' inside a script error (Redis 6.2 wraps them)
 _STATE_CODE = re.compile(r"(?:^|-)(" + "|".join(UNAVAILABLE_STATES) + r")\b")

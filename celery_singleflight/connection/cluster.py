@@ -28,7 +28,8 @@ def slot_of(key: str) -> int:
 
 
 def call_per_slot(
-    client: Any, script: Script, calls: Mapping[int, tuple[Sequence[Any], Sequence[Any]]]
+    client: Any, script: Script, calls: Mapping[int, tuple[Sequence[Any], Sequence[Any]]],
+    wait: tuple[int, int] | None = None, acked: dict[int, int] | None = None,
 ) -> tuple[dict[int, Any], int]:
     """Run ``script`` once per hash slot (``calls``: slot -> (keys, args)) on a Cluster, the
     calls of each node written on one of its connections before any reply is read (one round
@@ -38,6 +39,9 @@ def call_per_slot(
     unknown script or a broken connection is sent again through the cluster client, which
     follows redirections and reloads scripts: only scripts that are safe to run twice are
     called this way, and only a reply from the node that owns the slot counts.
+
+    ``wait`` (replicas, timeout ms): each node's calls are followed by ``WAIT`` on their connection,
+    and ``acked`` gets per slot how many replicas confirmed them (0 for a slot sent again).
     """
     by_node: dict[str, tuple[Any, list[int]]] = {}
     for slot in calls:
@@ -49,7 +53,7 @@ def call_per_slot(
     pending = by_node
     for attempt in (1, 2):
         round_trips += len(pending)
-        unknown = _batch(pending, calls, script.sha, replies, again)
+        unknown = _batch(pending, calls, script.sha, replies, again, wait, acked)
         if not unknown:
             break
         pending = {}
@@ -69,7 +73,8 @@ def call_per_slot(
 def _batch(
     by_node: dict[str, tuple[Any, list[int]]], calls: Mapping[int, tuple[Sequence[Any], Sequence[Any]]],
     sha: str,
-    replies: dict[int, Any], again: list[int],
+    replies: dict[int, Any], again: list[int], wait: tuple[int, int] | None = None,
+    acked: dict[int, int] | None = None,
 ) -> list[tuple[Any, list[int]]]:
     """Send every node its calls, then read the replies into ``replies``; slots to send again
     through the cluster client go to ``again``. Returns (node, slots) that answered NOSCRIPT."""
@@ -78,7 +83,10 @@ def _batch(
     for node, slots in by_node.values():  # write every node's calls first ...
         pool = node.redis_connection.connection_pool
         conn = pool.get_connection()
-        commands = [("EVALSHA", sha, len(calls[slot][0]), *calls[slot][0], *calls[slot][1]) for slot in slots]
+        commands: list[tuple[Any, ...]] = [
+            ("EVALSHA", sha, len(calls[slot][0]), *calls[slot][0], *calls[slot][1]) for slot in slots]
+        if wait is not None:
+            commands.append(("WAIT", *wait))
         try:
             conn.send_packed_command(conn.pack_commands(commands))
         except (ConnectionError, TimeoutError, OSError):
@@ -101,11 +109,27 @@ def _batch(
                     conn.disconnect()
                     again += slots[n:]
                     break
+            else:
+                if wait is not None and acked is not None:
+                    _read_wait(conn, slots, acked)
         finally:
             pool.release(conn)
         if missing:
             unknown.append((node, missing))
     return unknown
+
+
+def _read_wait(conn: Any, slots: list[int], acked: dict[int, int]) -> None:
+    """Read the ``WAIT`` reply behind a node's calls: the replicas that confirmed them."""
+    try:
+        count = int(conn.read_response())
+    except ResponseError:
+        count = 0
+    except (ConnectionError, TimeoutError, OSError):
+        conn.disconnect()
+        count = 0
+    for slot in slots:
+        acked[slot] = count
 
 
 def clocks_ms(client: Any, keys: Sequence[str]) -> list[int]:

@@ -7,10 +7,15 @@ of the pool that a lease does not need (about 55 % of redis-py's cost per call).
 it goes the same short way to the node that owns the keys' slot. Any other client (a
 pipeline-bound or single-connection client, a client factory's own class) goes through
 redis-py's ``Script`` as usual. A server that lost the script gets it again.
+
+:meth:`ClientScript.call_then_wait` sends ``WAIT`` right behind the script, in the same write on
+the same connection: ``WAIT`` counts the replicas that have every write *of its connection*, so
+only that connection can tell whether the script's writes reached them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +60,75 @@ class ClientScript:
         except redis.exceptions.NoScriptError:
             self.client.script_load(self.script.script)
             return self._evalsha(keys, args)
+
+    def call_then_wait(self, keys: Sequence[Any], args: Sequence[Any], replicas: int,
+                       timeout_ms: int) -> tuple[Any, int]:
+        """The script, then ``WAIT replicas timeout_ms`` on the same connection, in one round trip:
+        (the script's reply, how many replicas acknowledged every write of that connection so
+        far, the script's included). A script error is raised (and ``WAIT``'s answer dropped).
+        ``timeout_ms`` must be above zero (``WAIT 0`` blocks for ever) and below the socket timeout."""
+        packed = _pack([b"EVALSHA", self.sha, b"%d" % len(keys), *keys, *args]) + _pack(
+            [b"WAIT", replicas, timeout_ms])
+        if self.cluster:
+            return self._pair_on_node(keys, args, packed)
+        if not self.direct:
+            return self._pair_pipelined(keys, args, replicas, timeout_ms)
+        connecting = self.send is _send_connecting
+        try:
+            return self._pair(packed, connecting)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(self.script.script)
+            return self._pair(packed, connecting)
+
+    def _pair(self, packed: bytes, connecting: bool) -> tuple[Any, int]:
+        conn = kept_connection(self.client)
+        if conn is not None:
+            return _send_pair(conn, packed, connecting)
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            return _send_pair(conn, packed, connecting)
+        finally:
+            pool.release(conn)
+
+    def _pair_on_node(self, keys: Sequence[Any], args: Sequence[Any], packed: bytes) -> tuple[Any, int]:
+        """:meth:`call_then_wait` on the node that owns the keys' slot. What the short way cannot
+        send (a redirection, a node without the script, a connection trouble) goes through the
+        cluster client, which follows it, and then the short way once more (a protocol script is
+        safe to run twice); failing again, no replica is counted."""
+        for _ in range(2):
+            conn = self._node_connection(keys)
+            if conn is not None:
+                with contextlib.suppress(*_THROUGH_THE_CLUSTER):
+                    return _send_pair(conn, packed, False)
+            reply = self.script(keys=keys, args=args)
+        return reply, 0
+
+    def _pair_pipelined(self, keys: Sequence[Any], args: Sequence[Any], replicas: int,
+                        timeout_ms: int) -> tuple[Any, int]:
+        """Any other client: a pipeline (one connection, one round trip) of the script and ``WAIT``."""
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.evalsha(self.script.sha, len(keys), *keys, *args)
+            pipe.wait(replicas, timeout_ms)
+            reply, acked = pipe.execute(raise_on_error=False)
+            if isinstance(reply, redis.exceptions.NoScriptError) and attempt == 1:
+                self.client.script_load(self.script.script)
+                continue
+            break
+        for answer in (reply, acked):
+            if isinstance(answer, Exception):
+                raise answer
+        return reply, int(acked)
+
+    def _node_connection(self, keys: Sequence[Any]) -> Any | None:
+        first = keys[0]
+        cluster: Any = self.client
+        node = cluster.nodes_manager.get_node_from_slot(
+            key_slot(first if isinstance(first, bytes) else str(first).encode())
+        )
+        node_client = node.redis_connection
+        return None if node_client is None else kept_connection(node_client)
 
     def _on_node(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """A Cluster: the same short way, on a connection to the node that owns the keys' slot
@@ -106,6 +180,35 @@ def _send(conn: Any, packed: bytes) -> Any:
         # come, and must not be read as the next command's
         conn.disconnect()
         raise
+
+
+def _send_pair(conn: Any, packed: bytes, connecting: bool) -> tuple[Any, int]:
+    """Send a packed script call and ``WAIT`` on ``conn`` and read both replies (both are read
+    even when the first is an error, so the connection stays in step), under the connection's
+    retry policy: a lost reply sends both again. Not the hot path: one function for direct and
+    Sentinel-managed connections (``connecting``: a closed one asks the sentinels)."""
+
+    def send() -> tuple[Any, Any]:
+        if connecting and conn._sock is None:
+            conn.connect()
+        conn.send_packed_command([packed])
+        replies: list[Any] = []
+        for _ in (1, 2):
+            try:
+                replies.append(conn.read_response())
+            except redis.exceptions.ResponseError as exc:
+                replies.append(exc)
+        return replies[0], replies[1]
+
+    try:
+        reply, acked = conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
+    except BaseException:
+        conn.disconnect()  # stopped between send and replies: they must not be read as the next ones
+        raise
+    for answer in (reply, acked):  # the script's error first: WAIT fails on a replica (READONLY)
+        if isinstance(answer, Exception):
+            raise answer
+    return reply, int(acked)
 
 
 def _send_connecting(conn: Any, packed: bytes) -> Any:

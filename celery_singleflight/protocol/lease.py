@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from .. import constants
 from ..connection.clients import counts_sends, failed_sends
 from ..connection.cluster import call_per_slot, slot_of
+from ..connection.scripts import ClientScript
 from .context import Context, Feature, ms, text, texts
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
 from .handoff import ADOPTED, ANSWERED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED, TAKEN
@@ -33,6 +34,7 @@ from .layout import Layout
 from .lua import Replies, Script
 from .marks import ENQUEUED
 from .newest import NEWEST_PATTERNS, NEWEST_TEMPLATES, ProgressNotice, RenewNotice
+from .replicas import AcquireWaiting
 from .replies import Acquired, DeadHolder, Held, Holder, Settlement
 
 __all__ = [
@@ -178,7 +180,7 @@ class LeaseCalls(Feature):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self._acquire = ctx.script(ACQUIRE)
+        self._acquire: ClientScript | AcquireWaiting = ctx.script(ACQUIRE)
         self._release = ctx.script(RELEASE)
         self._renew = ctx.script(RENEW)
         self._progress = ctx.script(PROGRESS)
@@ -187,6 +189,13 @@ class LeaseCalls(Feature):
         self._known: dict[tuple[str, int], _Names] = {}
         self._counts = counts_sends(ctx.client)  # its failed sends are counted: see release()
         self.renew_round_trips = 0  # on a Cluster: batches sent by renew() (one per node), for benchmarks
+
+    def wait_for_replicas(self, replicas: int, timeout: float) -> None:
+        """From now on a grant counts only once ``replicas`` replicas confirmed it within
+        ``timeout`` seconds, else :meth:`acquire` raises :class:`ReplicasUnavailable` (see
+        :mod:`.replicas`); 0: the plain call, which waits for nothing."""
+        script = self.ctx.script(ACQUIRE)
+        self._acquire = AcquireWaiting(script, self.ctx.layout, replicas, timeout) if replicas else script
 
     def _names(self, key: str, slots: int) -> _Names:
         found = self._known.get((key, slots))
@@ -206,7 +215,8 @@ class LeaseCalls(Feature):
         A run that was never parked does not jump the queue: if runs are parked on a free key,
         the first of them gets it (:attr:`Held.handoff`). ``earlier``: the token of an earlier
         attempt of this run whose reply never came; if that attempt got the key, this one takes
-        it over. Raises :class:`ProtocolMismatch` for a record of another protocol version.
+        it over. Raises :class:`ProtocolMismatch` for a record of another protocol version, and
+        :class:`ReplicasUnavailable` for a grant too few replicas confirmed (:meth:`wait_for_replicas`).
         """
         names = self._names(key, slots)
         ttl_ms = ms(ttl)
@@ -237,36 +247,49 @@ class LeaseCalls(Feature):
         if not leases:
             return []
         if self.ctx.cluster:
-            return self._renew_per_slot(leases)
+            return self._renew_per_slot(leases)[0]
+        keys, args = self._renew_call(leases)
+        return [int(x) for x in self._renew(keys=keys, args=args)]
+
+    def renew_then_wait(self, leases: Sequence[RenewedLease], replicas: int,
+                        timeout: float) -> tuple[list[int], list[int]]:
+        """:meth:`renew`, with ``WAIT replicas`` behind it on its connection (on a Cluster, behind
+        each node's calls), in the same round trip: per lease its code and how many replicas
+        confirmed its renewal within ``timeout`` seconds."""
+        if not leases:
+            return [], []
+        if self.ctx.cluster:
+            return self._renew_per_slot(leases, (replicas, ms(timeout)))
+        keys, args = self._renew_call(leases)
+        reply, acked = self._renew.call_then_wait(keys, args, replicas, ms(timeout))
+        return [int(x) for x in reply], [acked] * len(leases)
+
+    def _renew_call(self, leases: Sequence[RenewedLease]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         args: list[Any] = []
         for lease in leases:
             keys += [lease.layout.run(lease.key, lease.slot), lease.layout.history(lease.key, lease.slot)]
             args += [lease.token, ms(lease.ttl)]
         args.append(self.ctx.keep_ms)
-        return [int(x) for x in self._renew(keys=keys, args=args)]
+        return keys, args
 
-    def _renew_per_slot(self, leases: Sequence[RenewedLease]) -> list[int]:
+    def _renew_per_slot(self, leases: Sequence[RenewedLease],
+                        wait: tuple[int, int] | None = None) -> tuple[list[int], list[int]]:
         groups: dict[int, list[int]] = {}
         for i, lease in enumerate(leases):
             groups.setdefault(slot_of(lease.layout.run(lease.key, lease.slot)), []).append(i)
-        calls: dict[int, tuple[list[str], list[Any]]] = {}
-        for hash_slot, indexes in groups.items():
-            keys: list[str] = []
-            args: list[Any] = []
-            for i in indexes:
-                lease = leases[i]
-                keys += [lease.layout.run(lease.key, lease.slot), lease.layout.history(lease.key, lease.slot)]
-                args += [lease.token, ms(lease.ttl)]
-            args.append(self.ctx.keep_ms)
-            calls[hash_slot] = (keys, args)
-        replies, round_trips = call_per_slot(self.ctx.client, self._renew.script, calls)
+        calls = {hash_slot: self._renew_call([leases[i] for i in indexes])
+                 for hash_slot, indexes in groups.items()}
+        acked: dict[int, int] = {}
+        replies, round_trips = call_per_slot(self.ctx.client, self._renew.script, calls, wait, acked)
         self.renew_round_trips += round_trips
         out: list[int] = [RenewReply.GONE] * len(leases)
+        confirmed = [0] * len(leases)
         for hash_slot, indexes in groups.items():
             for i, value in zip(indexes, replies[hash_slot], strict=True):
                 out[i] = int(value)
-        return [int(code) for code in out]
+                confirmed[i] = acked.get(hash_slot, 0)
+        return [int(code) for code in out], confirmed
 
     def release(
         self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0, *,

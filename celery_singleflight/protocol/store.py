@@ -82,11 +82,12 @@ class LeaseStore:
 
     ``status_retention`` (seconds) is how long a run's record (its outcome, its fence, the proof
     of its release) outlives it, at least :data:`~..constants.REPLAY_WINDOW`; ``history_length``
-    caps the history stream of a key.
+    caps the history stream of a key. ``min_replicas`` (0: off): a grant or a renewal counts only
+    once that many replicas confirmed it within ``replica_timeout`` seconds (:mod:`.replicas`).
     """
 
     def __init__(self, client: Any, layout: Layout, status_retention: float = 300.0,
-                 history_length: int = 100) -> None:
+                 history_length: int = 100, min_replicas: int = 0, replica_timeout: float = 0.5) -> None:
         self.client = client
         self.layout = layout if isinstance(layout, KeyLayout) else KeyLayout(layout.namespace)
         self.status_retention = status_retention
@@ -104,6 +105,10 @@ class LeaseStore:
         self.started = StartedCalls(ctx)
         self.epoch = EpochCalls(ctx)
         self.reads = RunReads(ctx)
+        self.min_replicas = min_replicas
+        self.replica_timeout = replica_timeout
+        if min_replicas:
+            self.lease.wait_for_replicas(min_replicas, replica_timeout)
         # the lease's own calls, one attribute lookup shorter (every run makes two of them)
         self.acquire = self.lease.acquire
         self.release = self.lease.release
@@ -132,18 +137,21 @@ class LeaseStore:
         return left if found is not None else None
 
 
-_stores: dict[tuple[int, str], LeaseStore] = {}
+_stores: dict[tuple[int, str, int, float], LeaseStore] = {}
 
 
 def store_for(
-    url: str | RedisTarget, namespace: str, status_retention: float = 300.0, history_length: int = 100
+    url: str | RedisTarget, namespace: str, status_retention: float = 300.0, history_length: int = 100,
+    min_replicas: int = 0, replica_timeout: float = 0.5,
 ) -> LeaseStore:
     """The lease store of this process for ``url`` (or the target of the settings) and
-    ``namespace`` (cached, fork-safe: the client is per process)."""
+    ``namespace`` (cached, fork-safe: the client is per process), whose grants wait for
+    ``min_replicas`` replicas (0: none)."""
     client = redis_client(url)
-    cache_key = (id(client), namespace)
+    cache_key = (id(client), namespace, min_replicas, replica_timeout if min_replicas else 0.0)
     store = _stores.get(cache_key)
     if store is None or store.client is not client:
-        store = LeaseStore(client, KeyLayout(namespace), status_retention, history_length)
+        store = LeaseStore(client, KeyLayout(namespace), status_retention, history_length, min_replicas,
+                           replica_timeout)
         _stores[cache_key] = store
     return store

@@ -55,7 +55,8 @@ def options_store(opts: CoreOptions) -> LeaseStore:
     pid = os.getpid()
     if known is not None and known[0] is opts and known[1] == pid:
         return known[2]
-    store = store_for(opts.redis, opts.namespace, opts.status_retention, opts.history_length)
+    store = store_for(opts.redis, opts.namespace, opts.status_retention, opts.history_length,
+                      opts.min_replicas, opts.min_replicas_timeout)
     if len(_stores) >= 256:  # options made per call stay bounded
         _stores.clear()
     _stores[id(opts)] = (opts, pid, store)
@@ -148,17 +149,20 @@ class Guard:
             if self.clear_marker:
                 self.store.marks.clear_enqueued(self.key, lease.task_id)
 
-    def forget_attempt(self, outcome: str = "retried") -> None:
-        """Release what an acquire that failed (no reply came) may have taken; best effort: if
-        Redis still cannot be reached, the next attempt adopts it (``take(earlier=token)``)."""
+    def forget_attempt(self, outcome: str = "retried") -> bool:
+        """Release what an acquire that failed (no reply came, or too few replicas confirmed its
+        grant) may have taken; best effort: if Redis still cannot be reached, the next attempt
+        adopts it (``take(earlier=token)``). True if it had taken the key and is released now
+        (a parked run's slot too: the run is no longer parked, and must not be sent as such)."""
         try:
             settlement = self.store.release(self.key, self.token, outcome, self.options.ttl,
                                             slots=self.options.max_concurrency)
         except redis.RedisError:
-            return
+            return False
         if settlement.duties:
             ending = Ending(self.key, self.sender, self.holder.task_id, outcome, signal=False)
             settle(self.app, settlement, ending)
+        return bool(settlement)
 
     # -- progress ----------------------------------------------------------------------------
 

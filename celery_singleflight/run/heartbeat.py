@@ -22,6 +22,7 @@ import redis
 from .. import constants
 from ..connection.clients import last_attempt_sent
 from ..protocol.lease import RenewReply
+from ..protocol.replicas import renew_confirmed
 from ..protocol.store import LeaseStore
 from .inbox import Inbox
 from .lease import Lease
@@ -163,7 +164,8 @@ class Heartbeat:
             return float("inf")
         sent = mod_time.monotonic()
         try:
-            results = self.store.renew(leases)
+            # with min_replicas, a renewal too few replicas confirmed does not move the lease's clock
+            results, confirmed = renew_confirmed(self.store, leases)
         except Exception as exc:
             if isinstance(exc, redis.RedisError):
                 log.warning("could not renew %d lease(s), retrying: %s", len(leases), exc)
@@ -178,8 +180,8 @@ class Heartbeat:
         finally:
             self.rounds += 1
         sent = last_attempt_sent(sent)  # a renewal sent again after a lost reply renews from then
-        for lease, code in zip(leases, results, strict=True):
-            lease.renewed(code, sent)
+        for lease, code, counts in zip(leases, results, confirmed, strict=True):
+            lease.renewed(code, sent if counts else lease.confirmed_at)
             if code == RenewReply.GONE:
                 self.discard(lease)
         return self._tick

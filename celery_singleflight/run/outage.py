@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import signals
 from ..errors import ProtocolMismatch, RedisUnavailable
-from .messages import HEADER_EARLIER, resend, wait_state
+from .messages import HEADER_EARLIER, HEADER_HANDOFF, resend, wait_state
 
 __all__ = ["counters", "redis_unavailable", "refuse_foreign"]
 
@@ -35,9 +35,12 @@ counters = _Counters()
 
 
 def redis_unavailable(task: Any, key: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      token: str, run: Any) -> Any:
+                      token: str, run: Any, released: bool = False) -> Any:
     """Run the body unguarded (``fail_open``, through ``run()``), or re-send the run
-    (``fail_closed``), or fail once ``redis_max_wait`` has passed."""
+    (``fail_closed``), or fail once ``redis_max_wait`` has passed. ``released``: the attempt
+    had taken the key and gave it back (a grant too few replicas confirmed): the run is re-sent
+    as a new arrival, without the tokens of a parked run or of that attempt (a parked run's
+    token would read as "this run took its slot before", and the copy would be dropped)."""
     opts = task.options
     request = task.request
     if opts.on_redis_error == "fail_open":
@@ -58,8 +61,8 @@ def redis_unavailable(task: Any, key: str, exc: Exception, args: tuple[Any, ...]
             "Redis cannot serve key=%r now; %s[%s] will be retried in %.1fs (fail_closed): %s",
             key, task.name, request.id, opts.redis_retry_delay, exc,
         )
-        resend(task, args, kwargs, opts.redis_retry_delay, first_seen, attempt + 1, error,
-               **{HEADER_EARLIER: token})
+        tokens = {HEADER_EARLIER: "", HEADER_HANDOFF: ""} if released else {HEADER_EARLIER: token}
+        resend(task, args, kwargs, opts.redis_retry_delay, first_seen, attempt + 1, error, **tokens)
     log_acquire.error("Redis could not serve key=%r for %.1fs; %s[%s] fails (redis_max_wait)",
                       key, waited, task.name, request.id)
     raise error

@@ -102,8 +102,8 @@ class Pipeline:
             if not is_unavailable(exc):
                 _with_key(exc, run.key)
                 raise
-            guard.forget_attempt()
-            return redis_unavailable(task, run.key, exc, run.args, run.kwargs, guard.token, body)
+            released = guard.forget_attempt()
+            return redis_unavailable(task, run.key, exc, run.args, run.kwargs, guard.token, body, released)
         assert run.got is not None
         run.lease = guard.begin(run.got)
         setattr(request, REQUEST_ATTR, guard)

@@ -211,15 +211,16 @@ class RedisClusterServers:
 class _Sentinel:
     """One ``redis-server --sentinel`` watching ``master_name``."""
 
-    def __init__(self, master_name: str, master_port: int, quorum: int) -> None:
+    def __init__(self, master_name: str, master_port: int, quorum: int, down_after_ms: int = 1000,
+                 failover_timeout_ms: int = 10000) -> None:
         self.port = cluster_port()
         self._dir = tempfile.mkdtemp(prefix="sf-sentinel-")
         self.config = Path(self._dir) / "sentinel.conf"
         self.config.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndir {self._dir}\n"
             f"sentinel monitor {master_name} 127.0.0.1 {master_port} {quorum}\n"
-            f"sentinel down-after-milliseconds {master_name} 1000\n"
-            f"sentinel failover-timeout {master_name} 10000\n"
+            f"sentinel down-after-milliseconds {master_name} {down_after_ms}\n"
+            f"sentinel failover-timeout {master_name} {failover_timeout_ms}\n"
             f"sentinel parallel-syncs {master_name} 1\n"
         )
         self.proc: subprocess.Popen[bytes] | None = None
@@ -243,14 +244,19 @@ class SentinelGroup:
 
     ``url`` is Celery's ``sentinel://...;sentinel://...`` form; pass ``master_name`` in the
     transport options. :meth:`master_port` asks the sentinels which node is the master now.
+    ``down_after_ms`` and ``failover_timeout_ms`` are the sentinels' ``down-after-milliseconds``
+    (how soon a silent master is down) and ``failover-timeout`` (also how long a replica may
+    replicate from another address than the master's, such as a proxy, before they correct it).
     """
 
-    def __init__(self, master_name: str = "leases", sentinels: int = 3) -> None:
+    def __init__(self, master_name: str = "leases", sentinels: int = 3, down_after_ms: int = 1000,
+                 failover_timeout_ms: int = 10000) -> None:
         self.master_name = master_name
         self.master = RedisServer()
         self.replica = RedisServer(extra=("--replicaof", "127.0.0.1", str(self.master.port)))
         self.servers = [self.master, self.replica]
-        self.sentinels = [_Sentinel(master_name, self.master.port, quorum=2) for _ in range(sentinels)]
+        self.sentinels = [_Sentinel(master_name, self.master.port, 2, down_after_ms, failover_timeout_ms)
+                          for _ in range(sentinels)]
 
     @property
     def url(self) -> str:
