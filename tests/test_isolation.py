@@ -32,7 +32,7 @@ from celery import Celery
 import celery_singleflight as sf
 from celery_singleflight import Lease, LockHeld, SingleFlightTask, constants, hold
 from celery_singleflight.connection.clients import redis_client
-from celery_singleflight.ops.acl import LIBRARY_COMMANDS, key_patterns
+from celery_singleflight.ops.acl import LIBRARY_COMMANDS, channel_patterns, key_patterns
 from celery_singleflight.ops.acl import acl_rule as rule_for
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.delayed import ClaimReply
@@ -303,6 +303,16 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     beat = Heartbeat(store)
     beat.add(lease)
     wait_for(lambda: beat.rounds >= 2, timeout=5)
+    # the push: a force-release publishes on the holder's process inbox, which hears it at once
+    ptok = token()
+    pgot = store.acquire("push:1", ptok, 5, Holder("run-p", "w1@h", "iso.sync"))
+    assert isinstance(pgot, Acquired)
+    pushed = Lease(key="push:1", token=ptok, fence=pgot.fence, ttl=5, interval=1, task_id="run-p",
+                   task_name="iso.sync", store=store, since=pgot.since)
+    beat.add(pushed)
+    assert beat.inbox.subscribed.wait(5)
+    assert store.handoff.force_release("push:1", "ops", hand_on=False) is not None
+    assert pushed.wait_superseded(2) and "force-released by ops" in pushed.lost_reason
     beat.stop()
     assert not lease.lost
     lease.write_progress(ProgressUpdate("loading", 1, 2))
@@ -413,7 +423,8 @@ def test_the_acl_grants_exactly_what_a_full_run_uses(acl_redis: RedisServer, adm
     """Given a probe user allowed every command on tenant-a's keys, a full run uses exactly the
     commands of the recommended rule (PING aside: see the next test)."""
     probe = set_user(admin, "probe", ["reset", "on", f">{PASSWORD}",
-                                      *(f"~{p}" for p in key_patterns(NS_A)), "+@all"])
+                                      *(f"~{p}" for p in key_patterns(NS_A)),
+                                      *(f"&{p}" for p in channel_patterns(NS_A)), "+@all"])
     admin.config_resetstat()
     full_run(probe, NS_A)
     stats = admin.info("commandstats")

@@ -104,7 +104,7 @@ def _app(primary: RedisServer, mode: str) -> tuple[Celery, Any, list[str]]:
                     singleflight_min_replicas_timeout=0.05, singleflight_on_redis_error=mode)
     ran: list[str] = []
 
-    @app.task(name=f"replicas.{mode}", bind=True, base=SingleFlightTask, lock_key="r:<x>")
+    @app.task(name=f"replicas.{mode}", bind=True, base=SingleFlightTask, lock_key="r:<x>", shared=False)
     def guarded(self: Any, x: str) -> str:
         ran.append(x)
         return x

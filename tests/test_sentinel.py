@@ -138,10 +138,13 @@ def test_leases_after_a_sentinel_failover_work_and_a_held_one_is_kept(
     check_outcomes(reader, keys)
 
 
-def test_a_holder_behind_the_sentinels_is_told_at_once_also_after_a_failover(group: SentinelGroup) -> None:
+def test_a_holder_behind_the_sentinels_is_told_at_once_also_after_a_failover(
+    fresh_group: SentinelGroup,
+) -> None:
     """A hold with the default TTL behind the sentinels learns a force-release within a second
     (the push); after SENTINEL FAILOVER the process's inbox listens on the new master, and a hold
-    taken there is told at once too."""
+    taken there is told at once too. A group of its own: a failover blocks the next one for a while."""
+    group = fresh_group
     app = sentinel_app(group, "sentinel-told")
 
     def told(key: str) -> None:

@@ -76,9 +76,9 @@ class Inbox:
                 if isinstance(exc, redis.exceptions.NoPermissionError):
                     # an ACL rule from before the push: holders learn at their renewals instead
                     if not self._refused:
-                        log.warning("cannot subscribe to this process's inbox (%s): a superseded or"
-                                    " force-released holder learns it at its next renewal; give the"
-                                    " user the rule of `celery singleflight acl`", exc)
+                        log.warning("cannot subscribe to this process's inbox (%s): a holder whose lease"
+                                    " is taken away learns it at its next renewal; give the user the"
+                                    " rule of `celery singleflight acl`", exc)
                     self._refused, wait = True, NOT_ALLOWED_WAIT
                 elif isinstance(exc, redis.RedisError):
                     log.debug("inbox connection lost (%s); renewals cover the gap", exc)
