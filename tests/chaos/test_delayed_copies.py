@@ -46,7 +46,12 @@ def test_copies_of_a_dead_workers_delayed_runs_run_once(
     second = workers.start(workers.make(queue, env=env))[0]
     first.kill()
     killed = time.time()
-    lost = _wait_terminal(sent, timeout=30)
+    try:
+        lost = _wait_terminal(sent, timeout=30)
+    except AssertionError:  # say which runs did not end, and what Redis still holds for them
+        pending = {n: r.state for n, r in enumerate(sent) if not r.ready()}
+        raise AssertionError(f"not terminal after 30 s: {pending}; copies {_copies(chaos, key)};"
+                             f" runs {runs(chaos)}") from None
     done = time.time() - killed
     assert len(lost) <= 1, lost  # only a run A was in the middle of is lost with it (RunLost)
     finished = sorted(int(r["n"]) for r in runs(chaos) if r["end"] is not None)  # every slot of the key
