@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -282,3 +283,19 @@ def test_a_user_whose_acl_allows_no_channel_still_supersedes_and_learns_at_the_r
         assert sum("cannot subscribe" in r.getMessage() for r in caplog.records) == 1
     finally:
         admin.execute_command("ACL", "DELUSER", user)
+
+
+@pytest.mark.worker
+def test_each_pool_process_listens_before_its_first_task(sfapp: ModuleType, start_worker: Any) -> None:
+    """Given a fresh prefork worker with two pool processes and no task sent yet, each pool
+    process already subscribes to its inbox: the first lease it will hold is told at once too."""
+    worker = start_worker(concurrency=2)
+    pid = worker.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+
+    def listening() -> bool:
+        pids = children.read_text().split()
+        channels = {c.decode() for c in sfapp.told_at_once.store.client.pubsub_channels("sf:inbox:*")}
+        return len(pids) == 2 and all(any(c.endswith(f":{child}") for c in channels) for child in pids)
+
+    assert wait_for(listening, timeout=15)

@@ -74,6 +74,10 @@ class Heartbeat:
             if mod_time.monotonic() + lease.interval < self._planned:
                 self._wake.set()
 
+    def listen(self) -> None:
+        """Start the inbox now, before the first lease (a worker's pool process as it starts)."""
+        self.inbox.listen(self.store.layout)
+
     def schedule_flush(self, when: float) -> None:
         """Wake at monotonic time ``when`` to write pending progress updates."""
         with self._lock:

@@ -10,6 +10,8 @@ runs it) and connects two receivers once per process; ``base=SingleFlightTask`` 
   in ``app.conf``), check the app as a whole (``join`` needs a result backend) and run the start
   checks against each lease Redis (:mod:`.preflight`).
   A refusal stops the worker with one sentence.
+- **Each process that runs tasks** (a prefork child as it starts, or the main process of a solo
+  or threads pool) starts its inbox listener at once (:mod:`..run.inbox`).
 - **Running**: the queue sweeper thread (:mod:`.sweeper`), with the copies of delayed runs
   (:mod:`.copies`: ``task_received`` notes the delayed messages this worker holds) and the
   recovery of this worker node's journal (:mod:`.recovery`), which need the node's name; stopped
@@ -33,17 +35,19 @@ from typing import Any
 
 import redis
 from billiard.exceptions import WorkerLostError
-from celery import bootsteps
+from celery import bootsteps, current_app
 from celery import signals as celery_signals
 from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeLimitExceeded
 
 from ..errors import ConfigurationError, LeaseLost, SingleFlightError
 from ..run.events import send_task_event, set_worker_sends_task_events
+from ..run.guard import options_store
+from ..run.heartbeat import heartbeat_for
 from ..run.lease import process_alive
 from ..run.settle import Ending, answer_orphaned_joined, settle
 from .copies import copy_sweeps, forget_revoked, note_received
-from .pools import check_pool
+from .pools import check_pool, pool_name
 from .preflight import run_at_worker_start
 from .recovery import recovery_sweeps
 from .registry import guarded_tasks, is_guarded
@@ -67,6 +71,28 @@ def install(app: Any) -> None:
         celery_signals.task_failure.connect(_on_task_failure, weak=False, dispatch_uid="singleflight-failure")
         celery_signals.task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid="singleflight-revoked")
         celery_signals.task_received.connect(note_received, weak=False, dispatch_uid="singleflight-received")
+        celery_signals.worker_process_init.connect(_listen_in_child, weak=False,
+                                                   dispatch_uid="singleflight-listen")
+
+
+def _listen_in_child(sender: Any = None, **_: Any) -> None:
+    """A prefork pool process starts: its inbox listens before its first task, so that the first
+    lease it holds is told at once too (:mod:`..run.inbox`)."""
+    listen_for(current_app)  # the worker's app, made current before its pool forks
+
+
+def listen_for(app: Any) -> None:
+    """Start this process's inbox for the lease Redis of each of ``app``'s guarded tasks."""
+    seen: set[int] = set()
+    for task in guarded_tasks(app):
+        try:
+            store = options_store(task.options)
+        except Exception as exc:  # noqa: BLE001 - a bad option fails the task itself, with its error
+            log.debug("no inbox for %s: %s", task.name, exc)
+            continue
+        if id(store) not in seen:
+            seen.add(id(store))
+            heartbeat_for(store).listen()
 
 
 def check_worker_app(app: Any) -> None:
@@ -102,6 +128,8 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
             raise SystemExit(f"celery_singleflight: {exc}") from exc
 
     def start(self, parent: Any) -> None:
+        if pool_name(getattr(parent, "pool_cls", None)) in ("solo", "threads"):
+            listen_for(parent.app)  # tasks run in this process (prefork children listen on their own)
         node = getattr(parent, "hostname", "")
         jobs = [*sweeps_for(parent.app), *copy_sweeps(parent.app, node), *recovery_sweeps(parent.app, node)]
         if jobs:
