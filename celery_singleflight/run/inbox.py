@@ -34,8 +34,9 @@ log = logging.getLogger("celery_singleflight.renew")
 
 #: how long one read waits before the listener looks for a new namespace to subscribe to
 LISTEN_WAIT = 1.0
-#: how long the listener waits before it tries again when the ACL refuses its channel
+#: how long the listener waits before it tries again when the ACL refuses its channel (or user)
 NOT_ALLOWED_WAIT = 60.0
+_REFUSED = (redis.exceptions.NoPermissionError, redis.exceptions.AuthenticationError)
 
 
 class Inbox:
@@ -73,8 +74,8 @@ class Inbox:
                 self._listen(pubsub)
             except Exception as exc:  # the renewal covers what is missed meanwhile
                 wait = constants.HEARTBEAT_ERROR_RETRY
-                if isinstance(exc, redis.exceptions.NoPermissionError):
-                    # an ACL rule from before the push: holders learn at their renewals instead
+                if isinstance(exc, _REFUSED):
+                    # an ACL rule from before the push, or a user refused: holders learn at their renewals
                     if not self._refused:
                         log.warning("cannot subscribe to this process's inbox (%s): a holder whose lease"
                                     " is taken away learns it at its next renewal; give the user the"
