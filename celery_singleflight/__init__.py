@@ -16,6 +16,7 @@ from .checks import check_app
 # errors
 from .errors import (
     ConfigurationError,
+    KeyPaused,
     KeyTemplateError,
     LeaseLost,
     LockHeld,
@@ -25,6 +26,7 @@ from .errors import (
     QueueFull,
     RedisUnavailable,
     ReplicasUnavailable,
+    RetryAfter,
     RunLost,
     SingleFlightError,
     Superseded,
@@ -38,6 +40,9 @@ from .hold import HoldLease, hold
 
 # keys
 from .keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
+
+# run-time controls of a key
+from .ops.controls import Limits, clear_limits, controls, pause, resume, set_limits
 
 # status, progress and operations
 from .ops.status import KeyStatus, WatchEvent, force_release, held, status, status_all, watch
@@ -69,6 +74,7 @@ __all__ = [
     "counters",
     # errors
     "ConfigurationError",
+    "KeyPaused",
     "KeyTemplateError",
     "LeaseLost",
     "LockHeld",
@@ -78,6 +84,7 @@ __all__ = [
     "QueueFull",
     "RedisUnavailable",
     "ReplicasUnavailable",
+    "RetryAfter",
     "RunLost",
     "SingleFlightError",
     "Throttled",
@@ -102,6 +109,13 @@ __all__ = [
     "status",
     "status_all",
     "watch",
+    # run-time controls of a key
+    "Limits",
+    "clear_limits",
+    "controls",
+    "pause",
+    "resume",
+    "set_limits",
     # outside tasks
     "HoldLease",
     "hold",

@@ -5,7 +5,8 @@
     │   └── KeyTemplateError    (a lock_key template that cannot be rendered)
     │       └── UnstableKeyError (an argument whose rendering holds a memory address)
     ├── LockHeld                (the `raise` outcome of a duplicate: key, holder, time left)
-    │   └── QueueFull           (the `queue` policy's overflow outcome: max_queued runs wait)
+    │   ├── QueueFull           (the `queue` policy's overflow outcome: max_queued runs wait)
+    │   └── KeyPaused           (a direct or eager call of a paused key)
     ├── LeaseLost               (the lease of the running task is gone)
     │   └── Superseded          (a newer run of the key took over: ``on_duplicate="supersede"``)
     ├── NotInsideRun            (lease/progress used outside a SingleFlightTask run)
@@ -15,6 +16,7 @@
     ├── ReplicasUnavailable     (a grant not acknowledged by ``min_replicas`` replicas; also a RedisError)
     ├── RunLost                 (a run that waited, then started, was lost with its worker)
     ├── WaitingLost             (a waiting run lost with the lease Redis's data, not sent again)
+    ├── RetryAfter              (raised by a task: pause its key, run again first; also a celery Retry)
     └── Throttled               (the ``RETRY`` meta of a run over its key_rate_limit: not a failure)
 
 Celery serializes task exceptions as (type, module, args) and rebuilds them on the caller
@@ -23,10 +25,12 @@ side, so every constructor passes all of its arguments to ``super().__init__``.
 
 from __future__ import annotations
 
+from celery.exceptions import Retry
 from redis.exceptions import RedisError
 
 __all__ = [
     "ConfigurationError",
+    "KeyPaused",
     "KeyTemplateError",
     "LeaseLost",
     "LockHeld",
@@ -36,6 +40,7 @@ __all__ = [
     "QueueFull",
     "RedisUnavailable",
     "ReplicasUnavailable",
+    "RetryAfter",
     "RunLost",
     "SingleFlightError",
     "Throttled",
@@ -238,3 +243,30 @@ class Throttled(SingleFlightError):
 
     def __str__(self) -> str:
         return f"key {self.key!r} is over key_rate_limit={self.limit}: starts in {self.wait:.3f}s"
+
+
+class KeyPaused(LockHeld):
+    """A direct or eager call found its key paused (``ttl_left``: seconds left, -1 until resumed):
+    it has no message to park, so it fails."""
+
+
+class RetryAfter(SingleFlightError, Retry):  # type: ignore[misc]  # celery ships no types
+    """Raised in a task's body (``raise RetryAfter(30)``, e.g. on a downstream 429): the run
+    releases its key, the key is paused ``seconds`` for every worker, and this run waits at the
+    front of the key's queue to run first when the pause ends, without spending ``max_retries``.
+    A :class:`celery.exceptions.Retry`, so the task shows ``RETRY`` meanwhile."""
+
+    def __init__(self, seconds: float, key: str | None = None) -> None:
+        if not seconds > 0:
+            raise ValueError(f"RetryAfter({seconds!r}): the pause must be above zero seconds")
+        Retry.__init__(self, message=None, exc=None, when=seconds)
+        self.args = (seconds, key)
+        self.seconds = float(seconds)
+        self.key = key
+
+    def __reduce__(self) -> tuple[type[RetryAfter], tuple[float, str | None]]:
+        return type(self), (self.seconds, self.key)
+
+    def __str__(self) -> str:
+        where = f"key {self.key!r}" if self.key else "its key"
+        return f"retry after {self.seconds:g}s: {where} is paused that long, and this run goes first then"

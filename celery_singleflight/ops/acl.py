@@ -24,7 +24,7 @@ LIBRARY_COMMANDS: tuple[str, ...] = (
     "evalsha", "script|load",
     # inside the scripts (Redis checks the user's ACL there too); GET and SET also at top level for
     # the idempotency window and the run records, LLEN and TIME for status and the sweeper
-    "del", "get", "hdel", "hexists", "hget", "hset", "llen", "lpos", "lpush", "lrange", "lrem",
+    "del", "get", "hdel", "hexists", "hget", "hset", "llen", "lpos", "lpush", "lrange", "lrem", "mget",
     "pexpire", "pttl", "rpush", "set", "time", "xadd",
     # status, listing (SCAN ... TYPE string) and watching
     "scan", "xrange", "xread",

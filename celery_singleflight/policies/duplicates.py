@@ -29,7 +29,8 @@ from celery.exceptions import Ignore
 
 from .. import constants, signals
 from ..config.option import Derived, Option, OptionGroup, Resolving, count, flag, seconds
-from ..errors import ConfigurationError, LockHeld, QueueFull
+from ..errors import ConfigurationError, KeyPaused, LockHeld, QueueFull
+from ..protocol.controls import Paused
 from ..protocol.handoff import OWN_COPY
 from ..protocol.replies import Held, Parked
 from ..run.delay import resend_delayed
@@ -278,6 +279,16 @@ def turn_away_redelivery(dup: Duplicate) -> Any:
     raise Ignore()
 
 
+def wait_for_pause(dup: Duplicate, eager: bool) -> Any:
+    """The key is paused (``pause``, or a run that raised ``RetryAfter``): the run parks in the
+    key's queue as ``queue`` parks it (``QUEUED``), and the sweeper sends it when the pause ends,
+    in order. A direct or eager call has no message to park: it fails with :class:`KeyPaused`."""
+    if eager:
+        dup.report("raised", "the key is paused", logging.INFO)
+        raise KeyPaused(dup.key, dup.held.holder or None, dup.held.ttl_left)
+    return park(dup)
+
+
 def effective_policy(task: Any) -> str:
     """The policy for the current run: a direct or eager call has no message to re-send or park
     and no result to report, so it always raises; a beat tick gets ``on_beat_duplicate``
@@ -318,5 +329,7 @@ class DuplicatePolicies(Stage):
         assert run.guard is not None
         if held.holder and held.holder == run.task_id and not run.request.called_directly:
             return turn_away_redelivery(Duplicate(task, run.guard, held, run.args, run.kwargs, "redelivery"))
+        if isinstance(held, Paused):  # a paused key: every run waits in its queue, whatever its policy
+            return wait_for_pause(Duplicate(task, run.guard, held, run.args, run.kwargs, "paused"), run.eager)
         policy = effective_policy(task)
         return run.pipeline.policies[policy](Duplicate(task, run.guard, held, run.args, run.kwargs, policy))

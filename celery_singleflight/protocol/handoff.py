@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import constants
 from .context import Feature, due_ms, ms, text
+from .controls import CONTROL_CONSTANTS, LIMITS, PAUSED, remember_slots, slots_for
 from .fields import FLAG, PATTERNS, TEXT, Field, RecordBase, VersionReply, refuse_foreign
 from .inbox import INBOX_CONSTANTS
 from .layout import Part, duration
@@ -104,6 +105,7 @@ class ResumeReply(Replies):
     NOTHING_WAITS = 0, "{NOTHING_WAITS}: no run is parked or joined"
     ALL_HELD = 1, "{ALL_HELD, ms until a lease runs out}: look again then"
     HANDED_ON = 2, "{HANDED_ON, reservation ms, message or '', orphaned joined runs...}"
+    MORE_SLOTS = 3, "{MORE_SLOTS, slots}: the key's limits allow more slots than were named: call again so"
 
 
 class ForceReleaseReply(Replies):
@@ -112,11 +114,14 @@ class ForceReleaseReply(Replies):
 
 
 _LIBS = ("shared/common.lua", "handoff/handoff.lua")
-_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "OWN_COPY": OWN_COPY, "TAKEN": TAKEN, "ANSWERED": ANSWERED}
+_LUA = {**constants.LUA_CONSTANTS, **PATTERNS, **CONTROL_CONSTANTS, "OWN_COPY": OWN_COPY, "TAKEN": TAKEN,
+        "ANSWERED": ANSWERED}
+_WITH_CONTROLS = (*_LIBS, "controls/controls.lua")
 
-PARK = Script("PARK", "handoff/park.lua", _LIBS, replies=(ParkReply,), constants=_LUA)
+PARK = Script("PARK", "handoff/park.lua", _WITH_CONTROLS, replies=(ParkReply,), constants=_LUA)
 JOIN = Script("JOIN", "handoff/join.lua", _LIBS, replies=(JoinReply,), constants=_LUA)
-RESUME = Script("RESUME", "handoff/resume.lua", _LIBS, replies=(ResumeReply, VersionReply), constants=_LUA)
+RESUME = Script("RESUME", "handoff/resume.lua", _WITH_CONTROLS, replies=(ResumeReply, VersionReply),
+                constants=_LUA)
 FORCE_RELEASE = Script("FORCE_RELEASE", "handoff/force_release.lua",
                        (*_LIBS, "lease/lease.lua", "inbox/inbox.lua"),
                        replies=(ForceReleaseReply, VersionReply), constants={**_LUA, **INBOX_CONSTANTS})
@@ -140,11 +145,12 @@ class HandoffCalls(Feature):
              slots: int = 1) -> Parked | int | None:
         """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is
         full, or None if a slot is free now (acquire again). The key is entered in the waiting
-        index, due when the holder's lease would run out."""
+        index, due when the holder's lease would run out (or its pause ends: a paused key parks
+        the run even when a slot is free)."""
         layout = self.ctx.layout
         reply = self.ctx.script(PARK)(
             keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
-                  layout.key(ADOPTED, key)],
+                  layout.key(ADOPTED, key), layout.key(PAUSED, key)],
             args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
         )
         code = int(reply[0])
@@ -177,13 +183,21 @@ class HandoffCalls(Feature):
     def resume(self, key: str, ttl: float, slots: int = 1) -> Settlement | None:
         """Look at one waiting key. If a slot is free (its holder ended without handing it on),
         hand it to the first parked run and take the runs joined to a gone holder (the
-        settlement); plan the next look, or drop the key from the index when nothing waits."""
+        settlement); plan the next look, or drop the key from the index when nothing waits. A
+        paused key is looked at again when its pause ends; a key whose limits allow more slots
+        is looked at with them (the slots this process's acquires learnt)."""
         layout = self.ctx.layout
-        reply = self.ctx.script(RESUME)(
-            keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
-                  layout.key(JOINED, key), layout.key(SETTLED, key), layout.key(ENQUEUED, key)],
-            args=[ms(ttl), slots, uuid.uuid4().hex, self.ctx.keep_ms],
-        )
+        slots, call = slots_for(layout.namespace, key, slots), uuid.uuid4().hex
+        while True:
+            reply = self.ctx.script(RESUME)(
+                keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
+                      layout.key(JOINED, key), layout.key(SETTLED, key), layout.key(ENQUEUED, key),
+                      layout.key(PAUSED, key), layout.key(LIMITS, key)],
+                args=[ms(ttl), slots, call, self.ctx.keep_ms],
+            )
+            if int(reply[0]) != ResumeReply.MORE_SLOTS:
+                break
+            slots = remember_slots(layout.namespace, key, int(reply[1]))
         refuse_foreign(key, reply)
         code = int(reply[0])
         client, index = self.ctx.client, layout.index(WAITING)

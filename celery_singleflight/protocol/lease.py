@@ -28,6 +28,7 @@ from ..connection.clients import counts_sends, failed_sends
 from ..connection.cluster import call_per_slot, slot_of
 from ..connection.scripts import ClientScript
 from .context import Context, Feature, ms, text, texts
+from .controls import CONTROL_CONSTANTS, LIMITS, PAUSED, Paused, remember_slots, slots_for
 from .fields import PATTERNS, TEMPLATES, VersionReply, refuse_foreign
 from .handoff import ADOPTED, ANSWERED, JOINED, OWN_COPY, PARKED, QUEUE, SETTLED, TAKEN
 from .layout import Layout
@@ -59,16 +60,19 @@ class Call:
 
 #: ACQUIRE's call: for the plain path the ``token``, ``ttl`` (ms), ``px`` (ttl + keep: the
 #: record's expiry), the ``handoff`` and ``earlier`` tokens ('' if none); then ``keep`` (ms) and
-#: the holder's task ``id``
-ACQUIRE_CALL = Call(("token", "ttl", "px", "handoff", "earlier"), ("keep", "id"))
+#: the holder's task ``id``, and the task's ``own`` max_concurrency
+ACQUIRE_CALL = Call(("token", "ttl", "px", "handoff", "earlier"), ("keep", "id", "own"))
 #: RELEASE's call: for the plain path the ``token``, ``outcome``, ``slot`` (1-based) and
-#: ``clear`` ('1': clear the enqueue marker); then the ``fence`` ('' for an attempt that may not
-#: have taken the key), ``reservation_ttl`` (ms), ``answer`` ('1': hand joined runs back) and the
-#: task ``id``
-RELEASE_CALL = Call(("token", "outcome", "slot", "clear"), ("fence", "reservation_ttl", "answer", "id"))
+#: ``flags`` ('1': clear the enqueue marker, '2': the run raised RetryAfter, '3': both, '0');
+#: then the ``fence`` ('' for an attempt that may not have taken the key), ``reservation_ttl``
+#: (ms), ``answer`` ('1': hand joined runs back), the task ``id``, and for RetryAfter the
+#: ``pause`` (ms) and the run's queue ``entry``; the task's ``own`` max_concurrency
+RELEASE_CALL = Call(("token", "outcome", "slot", "flags"),
+                    ("fence", "reservation_ttl", "answer", "id", "pause", "entry", "own"))
 
 #: the constants every script of the protocol may use
-LUA: dict[str, int | str] = {**constants.LUA_CONSTANTS, **PATTERNS, **NEWEST_PATTERNS, "OWN_COPY": OWN_COPY,
+LUA: dict[str, int | str] = {**constants.LUA_CONSTANTS, **PATTERNS, **NEWEST_PATTERNS, **CONTROL_CONSTANTS,
+                             "OWN_COPY": OWN_COPY,
                              "TAKEN": TAKEN, "ANSWERED": ANSWERED,
                              "ACQUIRE_CALL": ACQUIRE_CALL.head, "ACQUIRE_REST": ACQUIRE_CALL.rest,
                              "RELEASE_CALL": RELEASE_CALL.head, "RELEASE_REST": RELEASE_CALL.rest}
@@ -82,6 +86,8 @@ class AcquireReply(Replies):
                     " name}: a slot was free but handed to the first parked run, whose message the caller"
                     " sends (and whose dead holder's run it ends, if any)")
     ADOPTED = 3, "{ADOPTED}: this parked run took its slot before: this message is another copy of it"
+    PAUSED = 4, "{PAUSED, ms left or -1 (until resumed)}: the key is paused: the run parks"
+    MORE_SLOTS = 5, "{MORE_SLOTS, slots}: the key's limits allow more slots than were named: call again so"
 
 
 class ReleaseReply(Replies):
@@ -112,14 +118,15 @@ _COMMON = "shared/common.lua"
 _HANDOFF = "handoff/handoff.lua"
 _NEWEST = "newest/newest.lua"
 _LEASE = "lease/lease.lua"
+_CONTROLS = "controls/controls.lua"
 
 #: the record's text, as the lease scripts write it (the core's and newest-wins' fields)
 _TEMPLATES = {**TEMPLATES, **NEWEST_TEMPLATES}
 
-ACQUIRE = Script("ACQUIRE", "lease/acquire.lua", (_COMMON, _HANDOFF, _NEWEST),
+ACQUIRE = Script("ACQUIRE", "lease/acquire.lua", (_COMMON, _HANDOFF, _NEWEST, _LEASE, _CONTROLS),
                  plain="lease/acquire_plain.lua", replies=(AcquireReply, VersionReply), constants=LUA,
                  templates=_TEMPLATES)
-RELEASE = Script("RELEASE", "lease/release.lua", (_COMMON, _HANDOFF, _NEWEST, _LEASE),
+RELEASE = Script("RELEASE", "lease/release.lua", (_COMMON, _HANDOFF, _NEWEST, _LEASE, _CONTROLS),
                  plain="lease/release_plain.lua", replies=(ReleaseReply,), constants=LUA,
                  templates=_TEMPLATES)
 RENEW = Script("RENEW", "lease/renew.lua", (_COMMON, _NEWEST), replies=(RenewReply, RenewNotice),
@@ -147,7 +154,8 @@ class RenewedLease(Protocol):
 class _Names:
     """The Redis key names of one lock, encoded once (every acquire and release names seven)."""
 
-    __slots__ = ("adopted", "enqueued", "histories", "joined", "parked", "queue", "runs", "settled")
+    __slots__ = ("adopted", "enqueued", "histories", "joined", "limits", "parked", "paused", "queue", "runs",
+                 "settled")
 
     def __init__(self, layout: Layout, key: str, slots: int) -> None:
         self.runs = [layout.run(key, slot).encode() for slot in range(slots)]
@@ -158,6 +166,8 @@ class _Names:
         self.enqueued = layout.key(ENQUEUED, key).encode()
         self.settled = layout.key(SETTLED, key).encode()
         self.adopted = layout.key(ADOPTED, key).encode()
+        self.paused = layout.key(PAUSED, key).encode()
+        self.limits = layout.key(LIMITS, key).encode()
 
 
 #: how many locks' key names are kept encoded (the hot keys of a worker; a few MB at most)
@@ -218,21 +228,30 @@ class LeaseCalls(Feature):
         it over. Raises :class:`ProtocolMismatch` for a record of another protocol version, and
         :class:`ReplicasUnavailable` for a grant too few replicas confirmed (:meth:`wait_for_replicas`).
         """
-        names = self._names(key, slots)
         ttl_ms = ms(ttl)
         keep = self.ctx.keep_ms
         call = (f"{token}\x1f{ttl_ms}\x1f{ttl_ms + keep}\x1f{handoff}\x1f{earlier}\x1f{keep}"
-                f"\x1f{holder.task_id}")
-        reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued, names.adopted],
-                              args=[call, holder.fields])
-        if not isinstance(reply, list):  # acquired: one string, 'fence:since:slot'
-            fence, since, slot = text(reply).split(":", 2)
-            return Acquired(fence=int(fence), since=int(since) / 1000.0, slot=int(slot))
-        code = int(reply[0])
+                f"\x1f{holder.task_id}\x1f{slots}")
+        namespace = self.ctx.layout.namespace
+        slots = slots_for(namespace, key, slots)
+        while True:
+            names = self._names(key, slots)
+            reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued, names.adopted,
+                                        names.paused, names.limits], args=[call, holder.fields])
+            if not isinstance(reply, list):  # acquired: one string, 'fence:since:slot'
+                fence, since, slot = text(reply).split(":", 2)
+                return Acquired(fence=int(fence), since=int(since) / 1000.0, slot=int(slot))
+            code = int(reply[0])
+            if code != AcquireReply.MORE_SLOTS:
+                break
+            slots = remember_slots(namespace, key, int(reply[1]))
         if code == VersionReply.FOREIGN:
             refuse_foreign(key, reply)
         if code == AcquireReply.ADOPTED:
             return Held(holder=holder.task_id, ttl_left=0.0, copy=True)
+        if code == AcquireReply.PAUSED:
+            left = int(reply[1])
+            return Paused(holder="", ttl_left=-1.0 if left < 0 else left / 1000.0)
         message = (text(reply[3]) or None) if code == AcquireReply.HANDED_ON else None
         dead = DeadHolder(*texts(reply[4:7])) if message and len(reply) >= 7 and text(reply[4]) else None
         return Held(holder=text(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message,
@@ -294,7 +313,7 @@ class LeaseCalls(Feature):
     def release(
         self, key: str, token: str, outcome: str = "succeeded", ttl: float = 30.0, *,
         fence: int | None = None, slot: int = 0, slots: int = 1, answer_joined: bool = True,
-        clear_marker: bool = False, task_id: str = "",
+        clear_marker: bool = False, task_id: str = "", retry_after: tuple[float, str, str] | None = None,
     ) -> Settlement:
         """Free the slot if the lease is ours, record the run's outcome, hand the key to the
         first parked run and take the runs joined to this one (see :class:`Settlement`).
@@ -304,17 +323,22 @@ class LeaseCalls(Feature):
         task id. ``task_id``: the run's task id, so that a copy its redelivery parked is dropped
         even when the lease was already gone. ``ttl``: the reservation made for a parked run.
         ``fence`` None: an attempt that may or may not have taken the key (nothing is recorded if
-        it did not).
+        it did not). ``retry_after`` (seconds, queue entry, message): the run raised RetryAfter;
+        the release also pauses the key that long and parks the run's message at the front of
+        its queue (one script: a crash between the two cannot lose the run).
         """
-        names = self._names(key, max(slots, slot + 1))
-        call = (f"{token}\x1f{outcome}\x1f{slot + 1}\x1f{1 if clear_marker else 0}"
+        names = self._names(key, max(slots_for(self.ctx.layout.namespace, key, slots), slot + 1))
+        flags = (1 if clear_marker else 0) + (2 if retry_after else 0)
+        pause, entry, message = ("", "", "") if retry_after is None else retry_after
+        pause = "" if retry_after is None else ms(retry_after[0])
+        call = (f"{token}\x1f{outcome}\x1f{slot + 1}\x1f{flags}"
                 f"\x1f{'' if fence is None else fence}\x1f{ms(ttl)}\x1f{1 if answer_joined else 0}"
-                f"\x1f{task_id}")
+                f"\x1f{task_id}\x1f{pause}\x1f{entry}\x1f{slots}")
         before = failed_sends()
         reply = self._release(
             keys=[*names.runs, names.histories[slot], names.queue, names.parked, names.joined, names.enqueued,
-                  names.settled],
-            args=[call, self._keep, self._cap],
+                  names.settled, names.paused, names.limits],
+            args=[call, self._keep, self._cap, message],
         )
         if reply == ReleaseReply.RELEASED:
             return _RELEASED

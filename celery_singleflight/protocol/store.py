@@ -16,8 +16,22 @@ from typing import Any
 from .. import constants
 from ..connection.clients import redis_client
 from ..connection.targets import RedisTarget
-from . import delayed, epoch, fences, handoff, inbox, lease, marks, newest, order, started, timing
+from . import (
+    controls,
+    delayed,
+    epoch,
+    fences,
+    handoff,
+    inbox,
+    lease,
+    marks,
+    newest,
+    order,
+    started,
+    timing,
+)
 from .context import Context, ms
+from .controls import ControlCalls
 from .delayed import DelayedCalls
 from .epoch import EpochCalls
 from .handoff import HandoffCalls
@@ -38,7 +52,7 @@ __all__ = ["CHANNELS", "INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout
 
 #: every Redis key of one lock (``<ns>:{<key>}:<name>``), in the order of the docs' table
 PARTS: tuple[Part, ...] = (RUN, HISTORY, *handoff.PARTS, marks.ENQUEUED, *newest.PARTS, *order.PARTS,
-                           marks.DONE, *timing.PARTS, delayed.DELAYED, delayed.DELAYED_ENDS)
+                           marks.DONE, *timing.PARTS, delayed.DELAYED, delayed.DELAYED_ENDS, *controls.PARTS)
 #: the keys of a whole namespace (``<ns>:<name>``), outside any lock's hash slot
 INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING, delayed.DELAYED_DUE,
                              delayed.WORKERS, started.STARTED, epoch.EPOCH_KEY, MARK)
@@ -46,7 +60,8 @@ INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING
 CHANNELS: tuple[Part, ...] = (inbox.INBOX,)
 #: every script the library runs on the lease Redis (the worker's start loads them all)
 SCRIPTS: tuple[Script, ...] = (*lease.SCRIPTS, *handoff.SCRIPTS, *marks.SCRIPTS, *newest.SCRIPTS,
-                               *order.SCRIPTS, *timing.SCRIPTS, *delayed.SCRIPTS, *epoch.SCRIPTS)
+                               *order.SCRIPTS, *timing.SCRIPTS, *delayed.SCRIPTS, *epoch.SCRIPTS,
+                               *controls.SCRIPTS)
 #: and the one it runs on the user's Redis (``fencing.fenced_set``)
 USER_SCRIPTS: tuple[Script, ...] = fences.SCRIPTS
 
@@ -105,6 +120,7 @@ class LeaseStore:
         self.started = StartedCalls(ctx)
         self.epoch = EpochCalls(ctx)
         self.reads = RunReads(ctx)
+        self.controls = ControlCalls(ctx)
         self.min_replicas = min_replicas
         self.replica_timeout = replica_timeout
         if min_replicas:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from .. import constants
 from .context import Feature, ms, text
+from .controls import LIMITS
 from .delayed import DelayedCalls
 from .layout import Part, duration
 from .lua import Replies, Script
@@ -167,9 +168,10 @@ class TimeCalls(Feature):
 
     def reserve(self, key: str, interval_us: int, tolerance_us: int, call_id: str) -> tuple[int, int, bool]:
         """The rate-limit cell of ``call_id`` on ``key`` (taken now, or found from before):
-        (planned start, now, granted by this call), microseconds of the server clock."""
+        (planned start, now, granted by this call), microseconds of the server clock. A rate set
+        for the key at run time (:mod:`.controls`) replaces ``interval_us`` and ``tolerance_us``."""
         layout = self.ctx.layout
-        keys = [layout.key(RATE_STATE, key), layout.key(PLANNED, key)]
+        keys = [layout.key(RATE_STATE, key), layout.key(PLANNED, key), layout.key(LIMITS, key)]
         planned, now, fresh = self.ctx.script(RATE)(keys=keys, args=[interval_us, tolerance_us, call_id])
         return int(planned), int(now), bool(fresh)
 

@@ -19,20 +19,22 @@ import contextlib
 import logging
 import os
 import time as mod_time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from .. import signals
+from .. import constants, signals
 from ..config.core import CoreOptions
 from ..connection.clients import last_attempt_sent
-from ..errors import LeaseLost, NotInsideRun
+from ..errors import LeaseLost, NotInsideRun, RetryAfter
 from ..protocol.replies import Acquired, Held, Holder, Settlement
 from ..protocol.store import LeaseStore, store_for
 from .heartbeat import Heartbeat, heartbeat_for
 from .lease import Lease
 from .lost import end_dead_holder
+from .messages import HEADER_HANDOFF, message_of
 from .progress import ProgressReporter, ProgressUpdate
 from .settle import NO_RESULT, Ending, settle
 
@@ -195,12 +197,30 @@ class Guard:
 
     # -- release -----------------------------------------------------------------------------
 
+    def _retry_after(self, outcome: str, lease: Lease,
+                     exc: BaseException | None) -> tuple[float, str, str] | None:
+        """The run ends raising :class:`RetryAfter` (``exc``: its body raised it): the pause, the
+        run's queue entry and its own message, for its release to park it at the front of the
+        queue. The sweeper is told to look when the pause ends first (before the release: if this
+        process dies between the two, a key looked at early is looked at again)."""
+        task = self.app.current_task
+        if (outcome != "retried" or not isinstance(exc, RetryAfter) or task is None
+                or not self.computes_result or task.request.called_directly or task.request.is_eager):
+            return None
+        exc.key = exc.key or self.key
+        handoff, request = uuid.uuid4().hex, task.request
+        message = message_of(task, tuple(request.args or ()), dict(request.kwargs or {}),
+                             **{HEADER_HANDOFF: handoff})
+        self.store.handoff.look_again(self.key, exc.seconds + constants.RESUME_GRACE)
+        return exc.seconds, f"{lease.task_id}|{handoff}", message
+
     def end(self, outcome: str, *, result: Any = NO_RESULT, error: BaseException | None = None,
             answer_joined: bool = True) -> Settlement | None:
         """Release once (later calls do nothing) and settle what the release hands back.
 
         ``outcome``: succeeded, failed, retried, ignored, rejected, terminated, ...; ``lost`` is
-        recorded instead when the lease was found gone. ``result``/``error`` go to joined runs;
+        recorded instead when the lease was found gone. ``result``/``error`` go to joined runs (a
+        retry's ``error``, its ``Retry``: a :class:`RetryAfter` pauses the key and parks the run);
         ``answer_joined=False`` (a retry) leaves them for the next run. A Redis error is logged
         (the key then frees when its lease runs out); None is returned then.
         """
@@ -224,7 +244,7 @@ class Guard:
                 slots=opts.max_concurrency, answer_joined=answer_joined,
                 # a run that ends to retry keeps its enqueue marker: the retry keeps its task id
                 clear_marker=self.clear_marker and outcome != "retried",
-                task_id=lease.task_id,
+                task_id=lease.task_id, retry_after=self._retry_after(outcome, lease, error),
             )
         except redis.RedisError as exc:
             log_release.warning(

@@ -119,8 +119,8 @@ class Pipeline:
             for stage in self.hooks["after_body"]:
                 stage.after_body(run, result)
             return result
-        except Retry:
-            outcome = "retried"
+        except Retry as exc:  # a RetryAfter too: its release pauses the key and parks the run
+            outcome, error = "retried", exc
             raise
         except Ignore:
             outcome = "ignored"

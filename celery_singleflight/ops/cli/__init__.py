@@ -10,6 +10,10 @@ the app's own configuration::
                                                                 follow a run live until it ends
     celery -A proj singleflight release KEY [--slot N | --holder ID] [--force] [--json]
                                                                 free a key whoever holds it
+    celery -A proj singleflight pause KEY [--for S]             no run takes KEY; runs park in order
+    celery -A proj singleflight resume KEY                      end the pause; parked runs go on
+    celery -A proj singleflight limit KEY [--concurrency N] [--rate R] | --clear
+                                                                override KEY's limits until cleared
 
 KEY is the rendered key as ``ls`` prints it: ``job:a`` for ``lock_key="job:<name>"`` called with
 ``name="a"`` (a string that is not a plain name keeps its JSON quotes: ``'job:"a b"'``). With
@@ -52,6 +56,7 @@ Exit codes:
 from __future__ import annotations
 
 from .commands import singleflight
+from .controls import limit_command, pause_command, resume_command
 from .format import (
     duration,
     event_line,
@@ -71,6 +76,10 @@ from .plumbing import (
     EXIT_REDIS,
     EXIT_TIMEOUT,
 )
+
+singleflight.add_command(pause_command)
+singleflight.add_command(resume_command)
+singleflight.add_command(limit_command)
 
 __all__ = [
     "EXIT_AMBIGUOUS",

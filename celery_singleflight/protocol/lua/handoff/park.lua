@@ -3,6 +3,7 @@
 -- KEYS[n+1] - queue of parked runs
 -- KEYS[n+2] - parked messages
 -- KEYS[n+3] - hand-off tokens of parked runs that took their slot (ADOPTED)
+-- KEYS[n+4] - the key's pause (controls): while it lasts a run parks, free slot or not
 -- ARGV[1] - the entry 'task id|handoff token'
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - the most runs that may wait (-1: no limit)
@@ -13,7 +14,7 @@
 -- of the same call parks nothing more.
 -- Every held record is flagged ``waiting``, so its release hands the key on.
 -- return {FREE} if a slot is free (acquire again), {QUEUE_FULL, length} if the queue is full,
---        {PARKED, position, ms until the first holder's lease runs out} once parked
+--        {PARKED, position, ms until the first holder's lease runs out (or the pause ends)} once parked
 local n = tonumber(ARGV[4])
 local queue, parked, adopted = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3]
 local sep = string.find(ARGV[1], '|', 1, true)
@@ -29,7 +30,10 @@ if redis.call('ZSCORE', adopted, token) or (not own and redis.call('HGET', parke
   return {PARKED, found and found + 1 or 1, math.max(ms_left, 0)}
 end
 local recs, left = all_held(n, now)
-if not recs then
+local pause = paused_left(redis.call('GET', KEYS[n + 4]), now)
+if pause and not own then
+  recs, left = records(n), pause_look(pause) -- the sweeper looks again when the pause ends
+elseif not recs then
   return {FREE}
 end
 if own then -- only while its run holds a slot: once that run ended (this call sent again after
@@ -58,7 +62,7 @@ elseif not own then
   position = found and found + 1 or length
 end
 for i = 1, n do
-  if not recs[i].waiting then
+  if recs[i] and not recs[i].waiting then
     recs[i].waiting = '1'
     redis.call('SET', KEYS[i], cjson.encode(recs[i]), 'KEEPTTL')
   end

@@ -7,11 +7,14 @@
 -- KEYS[n+3] - runs joined to the holder's run
 -- KEYS[n+4] - what earlier calls handed over (hash: call id -> joined messages)
 -- KEYS[n+5] - enqueue-time dedup marker (a dead holder's is removed)
+-- KEYS[n+6] - the key's pause (controls): nothing is handed on while it lasts
+-- KEYS[n+7] - the key's limits (controls): a slot is handed on only below its concurrency
 -- ARGV[1] - lease TTL for a handoff reservation, milliseconds
 -- ARGV[2] - n, the number of slots
 -- ARGV[3] - a call id unique to this check (a second run of it answers the same)
 -- ARGV[4] - how long a record outlives its lease, milliseconds
--- return {NOTHING_WAITS}; {ALL_HELD, ms until a lease runs out} (check again then);
+-- return {NOTHING_WAITS}; {ALL_HELD, ms until a lease runs out or the pause ends} (check again then);
+--        {MORE_SLOTS, slots} if the key's limits allow more slots than were named;
 --        {HANDED_ON, reservation ms, message or '', orphaned joined runs...} if a slot was free;
 --        {FOREIGN, version} if a record was written by another protocol version
 local n, ttl, by = tonumber(ARGV[2]), tonumber(ARGV[1]), ARGV[3]
@@ -33,7 +36,19 @@ if version then
   return {FOREIGN, version}
 end
 local now = clock()
+local pause = paused_left(redis.call('GET', KEYS[n + 6]), now)
+if pause then
+  return {ALL_HELD, pause_look(pause)} -- look again when the pause ends (resume looks at once)
+end
+local limits = redis.call('GET', KEYS[n + 7])
+local _, want = slot_limits(limits, n)
+if want > n then
+  return {MORE_SLOTS, want}
+end
 local slot, _, left = scan(recs, n, now)
+if slot and not below_limit(limits, n, recs, n, now) then
+  slot = nil
+end
 if not slot then
   return {ALL_HELD, math.max(left, 0)}
 end

@@ -1,7 +1,7 @@
 -- ACQUIRE's general path: a record the plain path does not read, several slots, a parked run
 -- adopting the slot reserved for it, or an attempt whose reply was lost.
 -- ``keep`` stays a string: only a hand-off does sums with it (Lua converts it there)
-local keep, id = string.match(ARGV[1], ACQUIRE_REST)
+local keep, id, own = string.match(ARGV[1], ACQUIRE_REST)
 ttl = tonumber(ttl)
 local recs = records(n, 1, decode(first))
 local now, now_us = clock()
@@ -42,9 +42,20 @@ local adopting = slot ~= nil
 if handoff ~= '' and not adopting and taken_before(adopted, handoff, recs, n, now) then
   return {ADOPTED} -- this parked run took its slot and ran: a copy of its message must not run again
 end
+local _, want = slot_limits(limits, n)
+if want > n then
+  return {MORE_SLOTS, want} -- its limits were raised: every slot that may hold a run must be named
+end
 if not slot then
-  local holder, left
+  local holder, left, pause = nil, nil, paused_left(paused, now)
+  if pause then
+    return {PAUSED, pause} -- no grant while paused (a reservation made before is adopted above)
+  end
+  waiting = waiting or (paused and redis.call('LLEN', queue) > 0) -- a pause just over: parked runs first
   slot, holder, left = scan(recs, n, now)
+  if slot and not below_limit(limits, tonumber(own), recs, n, now) then
+    slot = nil -- its concurrency, set at run time (or the task's, on more slots the limits named)
+  end
   if n > 1 and id ~= '' then
     -- a task id already running on one slot (a redelivery) must not take another
     for i = 1, n do
@@ -83,24 +94,7 @@ if handoff ~= '' then
   redis.call('ZADD', adopted, fence, handoff)
   redis.call('PEXPIRE', adopted, ADOPTED_KEEP_MS)
 end
-local extra, lost, carried = '', '', ''
-if prev then
-  local prev_id, prev_outcome = previous(prev, now)
-  if prev_id then
-    extra = ',"prev_task_id":' .. cjson.encode(prev_id) .. ',"prev_outcome":' .. cjson.encode(prev_outcome or '')
-  end
-  lost = prev.lost or ''
-  if expired(prev, now) and not adopting then
-    lost = add_lost(lost, prev.fence)
-    forget_dead(marker, prev)
-  end
-  if prev.joined then
-    extra = extra .. JOINED_FLAG
-  end
-  if adopting then
-    carried = superseded_on_the_way(prev)
-  end
-end
+local extra, lost, carried = carried_over(prev, now, adopting, marker)
 if waiting then
   extra = extra .. WAITING_FLAG
 end

@@ -12,3 +12,27 @@ local function history_end(r, history, cap, keep, now, extra, always)
     redis.call('PEXPIRE', history, keep)
   end
 end
+-- ACQUIRE: what a slot's new record carries of its previous one ``prev``: who ran before and how
+-- it ended (and the joined flag), the fences of lost leases (a dead holder's added), and a
+-- supersede a parked run learnt on its way (``adopting``)
+local function carried_over(prev, now, adopting, marker)
+  local extra, lost, carried = '', '', ''
+  if prev then
+    local prev_id, prev_outcome = previous(prev, now)
+    if prev_id then
+      extra = ',"prev_task_id":' .. cjson.encode(prev_id) .. ',"prev_outcome":' .. cjson.encode(prev_outcome or '')
+    end
+    lost = prev.lost or ''
+    if expired(prev, now) and not adopting then
+      lost = add_lost(lost, prev.fence)
+      forget_dead(marker, prev)
+    end
+    if prev.joined then
+      extra = extra .. JOINED_FLAG
+    end
+    if adopting then
+      carried = superseded_on_the_way(prev)
+    end
+  end
+  return extra, lost, carried
+end

@@ -1,7 +1,8 @@
 -- RELEASE's general path: a record the plain path does not read (progress, joined or waiting
 -- runs, a marker to clear), a replay, or a lease that ran out.
 -- ``reservation_ttl`` stays a string: only a hand-off does sums with it (Lua converts it there)
-local fence, reservation_ttl, answer, id = string.match(ARGV[1], RELEASE_REST)
+local fence, reservation_ttl, answer, id, pause_ms, entry, own = string.match(ARGV[1], RELEASE_REST)
+local clear, paused = flags == '1' or flags == '3', KEYS[n + 7]
 answer = answer == '1'
 local r = decode(raw)
 if not (r and r.token == token) then
@@ -50,10 +51,15 @@ end
 if clear and redis.call('GET', marker) == r.task_id then
   redis.call('DEL', marker) -- this run ended: the next enqueue sends a new message
 end
-if r.waiting then
+if flags == '2' or flags == '3' then
+  pause_and_park(paused, queue, parked, tonumber(pause_ms), entry, ARGV[4], now) -- RetryAfter
+  r.waiting = '1'
+end
+if r.waiting and not paused_left(redis.call('GET', paused), now) then
   local recs = records(n, slot, r)
   drop_own_copy(r.task_id, queue, parked, recs, n, now)
-  local msg = hand_off(slot, n, recs, queue, parked, now, reservation_ttl, keep, token)
+  local msg = below_limit(redis.call('GET', KEYS[n + 8]), tonumber(own), recs, n, now)
+    and hand_off(slot, n, recs, queue, parked, now, reservation_ttl, keep, token)
   if msg then
     out[2] = msg
     return out

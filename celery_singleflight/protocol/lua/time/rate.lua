@@ -2,6 +2,8 @@
 -- KEYS[1] - the key's theoretical arrival time, emission interval and tolerance (string:
 -- '<tat> <interval> <tolerance>', microseconds; the last two for readers such as the CLI)
 -- KEYS[2] - cells granted (sorted set: call id -> planned start, microseconds)
+-- KEYS[3] - the key's limits set at run time (controls: 'i=<interval µs> t=<tolerance µs>'
+--           overrides ARGV[1] and ARGV[2])
 -- ARGV[1] - emission interval, microseconds (one cell)
 -- ARGV[2] - tolerance, microseconds ((burst - 1) cells)
 -- ARGV[3] - call id: task id and retries
@@ -15,6 +17,10 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local interval, tolerance, keep = tonumber(ARGV[1]), tonumber(ARGV[2]), RATE_GRANT_KEEP_US
+local limits = redis.call('GET', KEYS[3])
+if limits and string.match(limits, 'i=(%d+)') then
+  interval, tolerance = tonumber(string.match(limits, 'i=(%d+)')), tonumber(string.match(limits, 't=(%d+)') or 0)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now - keep))
 local planned = redis.call('ZSCORE', KEYS[2], ARGV[3])
 local replanned = planned and true or false
