@@ -24,6 +24,7 @@ from .errors import (
     ProgressError,
     ProtocolMismatch,
     QueueFull,
+    QueueTimeout,
     RedisUnavailable,
     ReplicasUnavailable,
     RetryAfter,
@@ -45,6 +46,7 @@ from .keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
 from .ops.controls import Limits, clear_limits, controls, pause, resume, set_limits
 
 # status, progress and operations
+from .ops.fairstatus import FairStatus, set_fair_weight
 from .ops.status import KeyStatus, WatchEvent, force_release, held, status, status_all, watch
 from .ops.timestatus import TimeStatus, time_status
 
@@ -54,6 +56,9 @@ from .policies.debounce import DebouncedRun, is_debounced
 # outcomes
 from .policies.duplicates import SkippedRun, is_skipped
 from .policies.newest import CoalescedRun, is_coalesced
+
+# fair share
+from .protocol.fair import Waiter
 
 # leases
 from .run.lease import Lease
@@ -82,6 +87,7 @@ __all__ = [
     "ProgressError",
     "ProtocolMismatch",
     "QueueFull",
+    "QueueTimeout",
     "RedisUnavailable",
     "ReplicasUnavailable",
     "RetryAfter",
@@ -109,6 +115,10 @@ __all__ = [
     "status",
     "status_all",
     "watch",
+    # fair share
+    "FairStatus",
+    "Waiter",
+    "set_fair_weight",
     # run-time controls of a key
     "Limits",
     "clear_limits",

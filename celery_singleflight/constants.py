@@ -13,7 +13,8 @@ __all__ = [
     "CLIENT_HEALTH_CHECK",
     "CLIENT_RETRIES", "CONNECT_TIMEOUT", "DEBOUNCE_CLOSED_KEEP", "DEBOUNCE_GRACE", "DEBOUNCE_LEADER_EARLY",
     "DELAYING_OPTIONS",
-    "DELAYED_GRACE", "DELAYED_KEEP", "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
+    "DELAYED_GRACE", "DELAYED_KEEP",
+    "FAIR_KEEP", "FAIR_TIMES_KEPT", "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
     "HEARTBEAT_ERROR_RETRY", "HOLD_FIRST_DELAY", "HOLD_MAX_DELAY", "HOLD_MIN_DELAY", "LEASE_MARGIN",
     "JOURNAL_COMPACT",
     "LEASE_MARGIN_SHARE", "LOST_KEPT", "LOST_RUN_GRACE", "LUA_CONSTANTS", "MAX_CLOCK_SKEW", "NEWEST_KEEP",
@@ -62,6 +63,11 @@ REVOKE_AGAIN = 5.0
 #: copy of such a run's message (sent again by ``fail_closed``, or by a sweeper whose reservation
 #: ran out meanwhile) is dropped, not run a second time
 ADOPTED_KEEP = 3600.0
+#: how long a fair gate's order outlives its last parked run (a run waiting longer keeps its place
+#: in the queue; only the order of later arrivals around it is lost)
+FAIR_KEEP = 86_400.0
+#: how many recent run times a fair gate keeps for its waiters' ETA
+FAIR_TIMES_KEPT = 20
 #: how long the book of a key's newest pending run outlives its last change
 NEWEST_KEEP = 86_400.0
 #: how long the order book of a key outlives its last change
@@ -164,4 +170,5 @@ LUA_CONSTANTS: dict[str, int] = {
     "DELAYED_RECHECK_MS": _ms(DELAYED_RECHECK),
     "DELAYED_OLD_KEPT": DELAYED_OLD_KEPT,
     "DELAYED_UNSEEN_GRACE_MS": _ms(DELAYED_UNSEEN_GRACE),
+    "FAIR_KEEP_MS": _ms(FAIR_KEEP),
 }

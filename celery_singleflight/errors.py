@@ -38,6 +38,7 @@ __all__ = [
     "ProgressError",
     "ProtocolMismatch",
     "QueueFull",
+    "QueueTimeout",
     "RedisUnavailable",
     "ReplicasUnavailable",
     "RetryAfter",
@@ -243,6 +244,26 @@ class Throttled(SingleFlightError):
 
     def __str__(self) -> str:
         return f"key {self.key!r} is over key_rate_limit={self.limit}: starts in {self.wait:.3f}s"
+
+
+class QueueTimeout(SingleFlightError):
+    """A run waited longer than its ``queue_timeout`` (``timeout``) for its fair slot at ``gate``
+    (``waited`` seconds): it ends FAILURE without running. ``key``: its lock key ('' when a
+    sweeper took it out of the queue, which knows its ``fair_key`` only)."""
+
+    def __init__(self, key: str, gate: str = "", waited: float = 0.0, timeout: float = 0.0,
+                 fair_key: str = "") -> None:
+        super().__init__(key, gate, waited, timeout, fair_key)
+        self.key = key
+        self.gate = gate
+        self.waited = waited
+        self.timeout = timeout
+        self.fair_key = fair_key
+
+    def __str__(self) -> str:
+        who = f"on key {self.key!r}" if self.key else f"of fair key {self.fair_key!r}"
+        return (f"run {who} waited {self.waited:.1f}s for a slot at {self.gate!r}, longer than its"
+                f" queue_timeout of {self.timeout:.1f}s; it did not run")
 
 
 class KeyPaused(LockHeld):

@@ -20,6 +20,7 @@ __all__ = [
     "lease_released",
     "lease_superseded",
     "order_gap_skipped",
+    "queue_timeout",
     "unguarded_run",
 ]
 
@@ -37,4 +38,8 @@ lease_force_released = Signal(
 lease_superseded = Signal(name="singleflight_lease_superseded", providing_args={"lease", "by"})
 order_gap_skipped = Signal(
     name="singleflight_order_gap_skipped", providing_args={"key", "sequences", "waited"}
+)
+#: a run waited longer than its ``queue_timeout`` to start: it ends FAILURE with QueueTimeout
+queue_timeout = Signal(
+    name="singleflight_queue_timeout", providing_args={"key", "task_id", "waited", "timeout"}
 )

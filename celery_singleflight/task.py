@@ -31,6 +31,7 @@ from .config.names import check_task_options
 from .config.options import Options, resolve_options, task_option_names
 from .errors import KeyTemplateError, NotInsideRun
 from .keys import KeyFunction, canonical, compile_key
+from .ops.fairstatus import FairStatus, fair_status
 from .ops.status import KeyStatus, StatusReader, WatchEvent
 from .ops.timestatus import TimeStatus, task_time_status
 from .policies import define_stages, pipeline_for
@@ -78,6 +79,8 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
     _sf_defined: ClassVar[dict[type, Any] | None] = None
     _sf_options: ClassVar[Options | None] = None
     _sf_pipeline: ClassVar[Pipeline | None] = None
+    #: the worker's main process looks at a fair task's gate as each message arrives
+    Strategy = "celery_singleflight.worker.fairpark:strategy"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -132,6 +135,11 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         """Every held slot of the key of this call (one for a plain task); empty if none is held."""
         key = self.render_key(*args, **kwargs)
         return StatusReader(self.store, self.app).read_all(key, slots=self.options.max_concurrency)
+
+    def fair_status(self, limit: int = 100) -> FairStatus | None:
+        """This task's fair gate (None without ``fair_concurrency``): the runs holding its slots
+        and the first ``limit`` runs waiting, each with its fair key, position and ETA."""
+        return fair_status(self, limit)
 
     def time_status(self, *args: Any, **kwargs: Any) -> TimeStatus:
         """The debounce window and the rate state of this call's keys, in this task's namespace."""

@@ -104,6 +104,19 @@ def nightly_report(self, steps=5):
     return {"sections": steps}
 
 
+# -- Fair share: two tenants' imports share two slots ------------------------------------------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="import:<tenant>:<batch>", fair_key="<tenant>",
+          fair_concurrency=2)
+def import_rows(self, tenant, batch):
+    """At most two imports run at once, whoever sent them; when runs wait, each freed slot goes
+    to the next tenant in turn, so a tenant that sends 5 behind another's 30 is not starved."""
+    time.sleep(0.6)
+    note(f"import {tenant}/{batch} done")
+    return {"tenant": tenant, "batch": batch}
+
+
 # -- Two more policies, for the table mode (python example_project/demo.py --table) -----------
 
 

@@ -7,6 +7,8 @@
     GET  /status/<task>/<args...>       a key's status, by the task's arguments (JSON)
     GET  /events[?key=...]              server-sent events: a key's status each time it changes
     GET  /journal                       what actually ran, newest first
+    POST /imports/<tenant>/<count>      fair share: a tenant sends ``count`` imports
+    GET  /fair                          the imports' fair gate: who runs, who waits (position, ETA)
 
 Run it with ``python example_project/demo.py`` (Redis, a worker and beat included), or on its
 own beside your worker: ``DEMO_REDIS_URL=redis://127.0.0.1:6379 flask --app web:web run``.
@@ -109,6 +111,18 @@ def status(task: str, args: str = "") -> Any:
         return jsonify(error=str(exc)), 400
     st = found.status(*values)  # status by the task's arguments
     return jsonify(key=key, status=None if st is None else st.as_dict())
+
+
+@web.post("/imports/<tenant>/<int:count>")
+def imports(tenant: str, count: int) -> Any:
+    sent = [proj.import_rows.delay(tenant, batch).id for batch in range(min(count, 100))]
+    return jsonify(task_ids=sent), 202
+
+
+@web.get("/fair")
+def fair() -> Any:
+    gate = proj.import_rows.fair_status(limit=50)
+    return jsonify(None if gate is None else gate.as_dict())
 
 
 @web.get("/journal")

@@ -547,3 +547,30 @@ def ordered_idem(self, key, msg, n):
     """Ordered, with an idempotency key: a repeated message returns the remembered result."""
     recorder.rpush(f"order:{key}", n)
     return n
+
+
+def record_fair(tenant: str, n: int, seconds: float) -> None:
+    """Fair share: records each start (tenant, n, time) and the most runs at once, without the library."""
+    running = recorder.incr("fair:running")
+    recorder.rpush("fair:max", running)
+    recorder.rpush("fair:started", f"{tenant}:{n}:{time.time()}")
+    try:
+        time.sleep(seconds)
+    finally:
+        recorder.decr("fair:running")
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="fj:<tenant>:<n>", fair_key="<tenant>", fair_concurrency=2,
+          fair_weights={"double": 2.0})
+def fair_job(self, tenant, n, seconds=0.05):
+    """Fair share across tenants: at most 2 at once, freed slots handed round robin by tenant."""
+    record_fair(tenant, n, seconds)
+    return f"{tenant}:{n}"
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="ft:<tenant>:<n>", fair_key="<tenant>", fair_concurrency=1,
+          queue_timeout=1.0)
+def fair_timed(self, tenant, n, seconds=0.5):
+    """Fair share with a queue_timeout: runs that wait over 1 s end FAILURE (QueueTimeout)."""
+    record_fair(tenant, n, seconds)
+    return f"{tenant}:{n}"

@@ -107,6 +107,23 @@ def test_demo_end_to_end(demo_started: list[Demo]) -> None:
     report = get(f"{base}/status/nightly_report")["status"]
     assert report["duplicates"] >= 1 or report["previous_outcome"] == "succeeded", report
 
+    # two tenants share the imports' two slots: zeta's 5, sent behind acme's 20, are served in turn
+    acme = post(f"{base}/imports/acme/20")["task_ids"]
+    gate = wait_for(lambda: (g := get(f"{base}/fair"))["waiting"] and g, timeout=15)
+    assert gate["slots"] == 2 and {w["fair_key"] for w in gate["waiting"]} == {"acme"}
+    zeta = post(f"{base}/imports/zeta/5")["task_ids"]
+    gate = wait_for(lambda: (g := get(f"{base}/fair")) and "zeta" in [w["fair_key"] for w in g["waiting"]]
+                    and g, timeout=15)
+    waiting = [w["fair_key"] for w in gate["waiting"]]
+    assert "zeta" in waiting[:4], waiting  # next to acme's head, not behind its whole backlog
+    assert [w["position"] for w in gate["waiting"]] == list(range(1, len(waiting) + 1))
+    for task_id in zeta:
+        wait_result(base, task_id)
+    acme_done = sum(get(f"{base}/result/{task_id}")["state"] == "SUCCESS" for task_id in acme)
+    assert acme_done < 15, acme_done  # zeta did not wait for acme's 20
+    for task_id in acme:
+        wait_result(base, task_id)
+
     assert status_code(f"{base}/status/nope/1") == 404
     assert status_code(f"{base}/status/sync_skip") == 400  # account_id is missing
     stop_and_check(demo)

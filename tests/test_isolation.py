@@ -36,6 +36,7 @@ from celery_singleflight.ops.acl import LIBRARY_COMMANDS, channel_patterns, key_
 from celery_singleflight.ops.acl import acl_rule as rule_for
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.delayed import ClaimReply
+from celery_singleflight.protocol.fair import Admitted, Waiting
 from celery_singleflight.protocol.lease import ProgressReply
 from celery_singleflight.protocol.replies import Acquired, Held, Holder, Parked
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore, store_for
@@ -353,6 +354,28 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     # another copy of its message (a re-send) does not run it again
     copy = store.acquire(key, token(), 5, Holder("run-7"), handoff="handoff-7")
     assert isinstance(copy, Held) and copy.copy
+
+    # fair share: a run enters its gate, the others wait in fair order, a release hands the slot
+    # on, a run past its queue_timeout is taken out of the queue
+    gate, fair = "fair:acl", store.fair
+    assert fair.enter(gate, 1, "f-1", "ft-1", "{}", "A", 1.0, 5) == Admitted(0)
+    assert isinstance(store.acquire(gate, (tokf := token()), 5, Holder("f-1"), handoff="ft-1"), Acquired)
+    assert isinstance(fair.enter(gate, 1, "f-2", "ft-2", '{"fair": 2}', "A", 1.0, 5, dry=True), Waiting)
+    assert isinstance(fair.enter(gate, 1, "f-2", "ft-2", '{"fair": 2}', "A", 1.0, 5), Waiting)
+    assert isinstance(fair.enter(gate, 1, "f-4", "ft-4", '{"fair": 4}', "A", 1.0, 5), Waiting)
+    assert isinstance(fair.enter(gate, 1, "f-3", "ft-3", '{"fair": 3}', "B", 1.0, 5), Waiting)
+    fair.set_weight(gate, "B", 2.0)
+    assert fair.weights(gate) == {"B": 2.0}
+    fair.set_weight(gate, "B", None)
+    assert [w.task_id for w in fair.waiters(gate, 1)] == ["f-2", "f-3", "f-4"]
+    assert store.release(gate, tokf).handoff == '{"fair": 2}'
+    assert isinstance(store.acquire(gate, (tokf2 := token()), 5, Holder("f-2"), handoff="ft-2"), Acquired)
+    fair.note_run(gate, 0.1)
+    time.sleep(0.02)
+    assert sorted(t for t, _, _ in fair.timed_out(gate, 1, 0.01)) == ["f-3", "f-4"]
+    fair.ended_timeout(gate, "f-3")
+    fair.ended_timeout(gate, "f-4")
+    assert store.release(gate, tokf2) and store.handoff.queued(gate) == 0
 
     # a delayed run keeps a copy: noted as held by a worker, sent again once that worker is gone,
     # claimed by the copy that starts first

@@ -15,6 +15,7 @@ from ..policies import PolicyOptions
 from ..policies.debounce import DebounceOptions
 from ..policies.duplicates import DuplicateOptions
 from ..policies.enqueue import EnqueueOptions
+from ..policies.fair import FairOptions
 from ..policies.idempotency import IdempotencyOptions
 from ..policies.newest import NewestOptions
 from ..policies.ordering import OrderOptions
@@ -30,11 +31,11 @@ __all__ = ["GROUPS", "Options", "app_options", "declared", "resolve_options", "s
 #: every group of options, in the order of the configuration page
 GROUPS: tuple[type[OptionGroup], ...] = (CoreOptions, PolicyOptions, DuplicateOptions, NewestOptions,
                                          OrderOptions, IdempotencyOptions, EnqueueOptions, RateOptions,
-                                         DebounceOptions, JournalOptions)
+                                         FairOptions, DebounceOptions, JournalOptions)
 
 
 class Options(CoreOptions, PolicyOptions, DuplicateOptions, NewestOptions, OrderOptions, IdempotencyOptions,
-              EnqueueOptions, RateOptions, DebounceOptions, JournalOptions):
+              EnqueueOptions, RateOptions, FairOptions, DebounceOptions, JournalOptions):
     """The resolved, validated options of one task (or of an app, without a task's own)."""
 
     __slots__ = ()

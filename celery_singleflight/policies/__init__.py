@@ -29,6 +29,7 @@ from .debounce import Debouncing
 from .delayed import DelayedCopies
 from .duplicates import DuplicatePolicies
 from .enqueue import EnqueueDedup
+from .fair import FairShare
 from .idempotency import Idempotency
 from .lostruns import LostRuns
 from .newest import Newest
@@ -42,7 +43,7 @@ __all__ = ["POLICY_NAMES", "STAGES", "PolicyOptions", "define_stages", "pipeline
 #: first, then a delayed run claims its copy; on the send side too: debounce decides first, the
 #: newest stamp comes before the enqueue marker, the sequence number is taken last)
 STAGES: tuple[type[Stage], ...] = (Recovered, DelayedCopies, Debouncing, Newest, Idempotency, RateLimit,
-                                   EnqueueDedup, Ordering, DuplicatePolicies, LostRuns)
+                                   EnqueueDedup, Ordering, FairShare, DuplicatePolicies, LostRuns)
 #: every ``on_duplicate`` policy, by name
 POLICY_NAMES: tuple[str, ...] = (*DuplicatePolicies.POLICIES, *Newest.POLICY_NAMES)
 

@@ -38,7 +38,7 @@ from ..protocol.store import LeaseStore
 from ..run.guard import options_store
 from ..run.journal import HEADER_RECOVERED
 from ..run.lost import end_lost_run, watched
-from ..run.messages import HEADER_ATTEMPT, HEADER_DELAYED, HEADER_HANDOFF, header
+from ..run.messages import HEADER_ATTEMPT, HEADER_DELAYED, HEADER_FAIR_WAITED, HEADER_HANDOFF, header
 from ..run.stage import Ended, Run, Stage, Sweep
 
 __all__ = ["FailLostRuns", "LostRuns", "WAITED_HEADERS"]
@@ -48,8 +48,8 @@ log = logging.getLogger("celery_singleflight.release")
 #: the headers of a run that waited in an intermediate state before it started: handed the key
 #: after it parked (QUEUED); re-sent by ``retry`` or ``fail_closed`` (RETRY); delayed by the rate
 #: limit (RETRY) or by debounce (DEBOUNCED: only a delayed call is ever in that state); sent again
-#: after the lease Redis lost its data (still in the state it waited in)
-WAITED_HEADERS = (HEADER_HANDOFF, HEADER_ATTEMPT, HEADER_DELAYED, HEADER_RECOVERED)
+#: after the lease Redis lost its data (still in the state it waited in); handed its fair slot (QUEUED)
+WAITED_HEADERS = (HEADER_HANDOFF, HEADER_ATTEMPT, HEADER_DELAYED, HEADER_RECOVERED, HEADER_FAIR_WAITED)
 
 
 class LostRuns(Stage):

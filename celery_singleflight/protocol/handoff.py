@@ -69,14 +69,15 @@ class HandoffFields(RecordBase):
     __slots__ = ()
 
     reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
-                     writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"),
+                     writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"),
                      readers=("PARK", "COALESCE", "ops.keystatus", "run.lost", "policies.newest",
-                              "protocol.started"))
+                              "protocol.started", "protocol.fair"))
     by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
                " the same",
-               writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=())
+               writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"), readers=())
     waiting = Field(FLAG, "runs wait in the key's queue: the release hands the key on",
-                    writers=("ACQUIRE", "RELEASE", "PARK", "RESUME", "FORCE_RELEASE", "COALESCE"),
+                    writers=("ACQUIRE", "RELEASE", "PARK", "RESUME", "FORCE_RELEASE", "COALESCE",
+                             "FAIR_ENTER"),
                     readers=())
     joined = Field(FLAG, "runs joined this run: its release hands their messages back",
                    writers=("ACQUIRE", "RELEASE", "JOIN", "RESUME", "FORCE_RELEASE"),

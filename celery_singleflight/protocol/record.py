@@ -27,7 +27,9 @@ __all__ = ["LeaseFields", "RunRecord", "fields_table"]
 
 #: the scripts that write a whole record: a run's own, and a reservation for a parked run (the
 #: hand-off helper that RELEASE, RESUME and FORCE_RELEASE share, and ACQUIRE when it hands on)
-_RECORD_WRITERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE")
+_RECORD_WRITERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER")
+#: the scripts that read the holder's fields (to pass them on, or to end a dead holder's run)
+_HOLDER_READERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE")
 #: the scripts that only check a slot is held (its lease has time left)
 _HELD_READERS = ("PARK", "JOIN", "ENQUEUE_MARK", "NOTE_DUPLICATE", "COALESCE")
 
@@ -43,24 +45,26 @@ class LeaseFields(RecordBase):
     token = Field(TEXT, "the lease's owner token (or the parked run's the slot is reserved for); absent"
                   " once released", writers=_RECORD_WRITERS,
                   readers=("RENEW", "PROGRESS", "REVISE_OUTCOME", *_HELD_READERS, "ops.keystatus",
-                           "run.lost", "protocol.reads", "protocol.started", "worker.bootstep"))
+                           "run.lost", "protocol.reads", "protocol.started", "FAIR_TIMEOUT", "protocol.fair",
+                           "worker.bootstep"))
     fence = Field(NUMBER, "the run's fencing token, larger than every earlier one of the key",
                   writers=_RECORD_WRITERS,
                   readers=("PROGRESS", "NOTE_DUPLICATE", "ops.keystatus", "protocol.started",
                             "worker.bootstep"))
     since = Field(MS, "when the run took the slot", writers=_RECORD_WRITERS,
-                  readers=("ops.keystatus",))
+                  readers=("ops.keystatus", "protocol.fair"))
     deadline = Field(MS, "when the lease runs out unless renewed; absent once released",
-                     writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE"),
+                     writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"),
                      readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "run.lost",
-                              "protocol.reads", "protocol.started"))
+                              "protocol.reads", "protocol.started", "protocol.fair", "FAIR_TIMEOUT"))
     state = Field(TEXT, "running, the last progress state, handing-off, or the outcome",
-                  writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
+                  writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE",
+                           "FAIR_ENTER"),
                   readers=("ops.keystatus",))
     outcome = Field(TEXT, "how the run ended: succeeded, failed, revoked, lost, ... (RELEASE asks the"
                     " features' helpers)",
                     writers=("RELEASE", "REVISE_OUTCOME", "FORCE_RELEASE"),
-                    readers=("ACQUIRE", "RESUME", "ENQUEUE_MARK", "ops.keystatus"))
+                    readers=("ACQUIRE", "RESUME", "ENQUEUE_MARK", "FAIR_ENTER", "ops.keystatus"))
     ended = Field(MS, "when the run ended", writers=("RELEASE", "FORCE_RELEASE"),
                   readers=("ops.keystatus",))
     updated = Field(MS, "the last progress update or the end",
@@ -71,9 +75,9 @@ class LeaseFields(RecordBase):
                              "worker.sweeper"))
     task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); the holder fields come from"
                       " ``Holder.fields``", writers=("ACQUIRE",),
-                      readers=(*_RECORD_WRITERS, "ops.keystatus", "run.lost", "policies.newest"))
+                      readers=(*_HOLDER_READERS, "ops.keystatus", "run.lost", "policies.newest"))
     worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
-                   readers=(*_RECORD_WRITERS, "ops.keystatus", "run.lost"))
+                   readers=(*_HOLDER_READERS, "ops.keystatus", "run.lost"))
     host = Field(TEXT, "the holder's host (and its process's inbox)", writers=("ACQUIRE",),
                  readers=("COALESCE", "FORCE_RELEASE", "ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id (and its process's inbox)", writers=("ACQUIRE",),
@@ -86,7 +90,8 @@ class LeaseFields(RecordBase):
                          readers=("REVISE_OUTCOME", "ops.keystatus", "protocol.started", "worker.bootstep",
                                   "worker.sweeper"))
     prev_outcome = Field(TEXT, "how it ended (running, expired, or its outcome)",
-                         writers=("ACQUIRE", "RELEASE", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE"),
+                         writers=("ACQUIRE", "RELEASE", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE",
+                                  "FAIR_ENTER"),
                          readers=("ops.keystatus", "protocol.started"))
     history = Field(TEXT, "``1`` once the run wrote to its history stream",
                     writers=("PROGRESS",), readers=("RELEASE", "RENEW", "FORCE_RELEASE", "NOTE_DUPLICATE"))

@@ -20,6 +20,7 @@ from . import (
     controls,
     delayed,
     epoch,
+    fair,
     fences,
     handoff,
     inbox,
@@ -34,6 +35,7 @@ from .context import Context, ms
 from .controls import ControlCalls
 from .delayed import DelayedCalls
 from .epoch import EpochCalls
+from .fair import FairCalls
 from .handoff import HandoffCalls
 from .layout import HISTORY, RUN, Layout, Part, parts_table
 from .lease import LeaseCalls, RenewedLease
@@ -52,7 +54,8 @@ __all__ = ["CHANNELS", "INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout
 
 #: every Redis key of one lock (``<ns>:{<key>}:<name>``), in the order of the docs' table
 PARTS: tuple[Part, ...] = (RUN, HISTORY, *handoff.PARTS, marks.ENQUEUED, *newest.PARTS, *order.PARTS,
-                           marks.DONE, *timing.PARTS, delayed.DELAYED, delayed.DELAYED_ENDS, *controls.PARTS)
+                           marks.DONE, *timing.PARTS, delayed.DELAYED, delayed.DELAYED_ENDS, *fair.PARTS,
+                           *controls.PARTS)
 #: the keys of a whole namespace (``<ns>:<name>``), outside any lock's hash slot
 INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING, delayed.DELAYED_DUE,
                              delayed.WORKERS, started.STARTED, epoch.EPOCH_KEY, MARK)
@@ -61,7 +64,7 @@ CHANNELS: tuple[Part, ...] = (inbox.INBOX,)
 #: every script the library runs on the lease Redis (the worker's start loads them all)
 SCRIPTS: tuple[Script, ...] = (*lease.SCRIPTS, *handoff.SCRIPTS, *marks.SCRIPTS, *newest.SCRIPTS,
                                *order.SCRIPTS, *timing.SCRIPTS, *delayed.SCRIPTS, *epoch.SCRIPTS,
-                               *controls.SCRIPTS)
+                               *fair.SCRIPTS, *controls.SCRIPTS)
 #: and the one it runs on the user's Redis (``fencing.fenced_set``)
 USER_SCRIPTS: tuple[Script, ...] = fences.SCRIPTS
 
@@ -119,6 +122,7 @@ class LeaseStore:
         self.delayed = DelayedCalls(ctx)
         self.started = StartedCalls(ctx)
         self.epoch = EpochCalls(ctx)
+        self.fair = FairCalls(ctx)
         self.reads = RunReads(ctx)
         self.controls = ControlCalls(ctx)
         self.min_replicas = min_replicas

@@ -118,8 +118,9 @@ class Guard:
                 end_dead_holder(self.app, self.key, dead.task_id, dead.worker, dead.task_name)
         return got
 
-    def begin(self, got: Acquired) -> Lease:
-        """Start holding: the heartbeat renews the lease from now on."""
+    def begin(self, got: Acquired, *, announce: bool = True) -> Lease:
+        """Start holding: the heartbeat renews the lease from now on. ``announce=False``: no
+        ``lease_acquired`` signal nor log (a fair gate's slot, which is not the run's key)."""
         opts = self.options
         lease = Lease(
             key=self.key, token=self.token, fence=got.fence, ttl=opts.ttl, interval=opts.heartbeat_interval,
@@ -133,9 +134,10 @@ class Guard:
         except BaseException:
             self.end("failed")
             raise
-        log_acquire.debug("acquired key=%r %s[%s] fence=%s", self.key, self.sender, lease.task_id,
-                          lease.fence)
-        signals.lease_acquired.send(sender=self.sender, lease=lease)
+        if announce:
+            log_acquire.debug("acquired key=%r %s[%s] fence=%s", self.key, self.sender, lease.task_id,
+                              lease.fence)
+            signals.lease_acquired.send(sender=self.sender, lease=lease)
         return lease
 
     def retry_not_sent(self) -> None:

@@ -14,6 +14,8 @@ own ``max_retries``) and carries the library's headers:
 - :data:`HEADER_SEQ`: the per-key sequence number of an ``ordered=True`` send;
 - :data:`HEADER_DELAYED`: ``"<token> <key>"`` on a run the library delayed (a copy waits in
   Redis, :mod:`..protocol.delayed`): the run claims it when it starts, so one copy runs;
+- :data:`HEADER_FAIR_WAITED`: when a run parked at its fair gate (epoch seconds): it waited, and
+  ``queue_timeout`` bounds that wait;
 - :data:`HEADER_REJOIN`: put on a joined run that is sent to run itself (the run it joined was a
   ``hold()``, which has no result), so that if it joins again, its message differs from the one
   the hold's release took (a re-sent JOIN finds that one, and answers as its first run did).
@@ -33,6 +35,7 @@ __all__ = [
     "HEADER_ATTEMPT",
     "HEADER_DELAYED",
     "HEADER_EARLIER",
+    "HEADER_FAIR_WAITED",
     "HEADER_FIRST_SEEN",
     "HEADER_HANDOFF",
     "HEADER_REJOIN",
@@ -54,6 +57,7 @@ HEADER_SENT = "singleflight_sent"
 HEADER_SEQ = "singleflight_seq"
 HEADER_REJOIN = "singleflight_rejoin"
 HEADER_DELAYED = "singleflight_delayed"
+HEADER_FAIR_WAITED = "singleflight_fair_waited"
 
 
 def header(request: Any, name: str) -> Any:
@@ -68,9 +72,11 @@ def wait_state(request: Any) -> tuple[float, int]:
     return (float(first) if first else mod_time.time()), int(attempt)
 
 
-def message_of(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **headers: Any) -> str:
-    """The current run's message, re-sendable (same task id, retries unchanged), as JSON."""
-    request = task.request
+def message_of(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], request: Any = None,
+               **headers: Any) -> str:
+    """The current run's message (or ``request``'s), re-sendable (same task id, retries
+    unchanged), as JSON."""
+    request = task.request if request is None else request
     merged = {**(request.headers or {}), **headers}
     sig = task.signature_from_request(request, args, kwargs, retries=request.retries, headers=merged)
     message: str = dumps(dict(sig))  # type: ignore[no-untyped-call]

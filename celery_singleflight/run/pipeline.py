@@ -38,7 +38,7 @@ log_duplicate = logging.getLogger("celery_singleflight.duplicate")
 REQUEST_ATTR = "singleflight_guard"
 
 _HOOKS = ("send", "before_key", "before_lease", "skipped", "on_duplicate", "after_take", "on_start",
-          "after_body")
+          "after_body", "finish")
 
 
 def _with_key(exc: BaseException, key: str) -> None:
@@ -88,13 +88,24 @@ class Pipeline:
         ended = self._before_key(run, body)
         if ended is not None:
             return ended.result
-        request, opts = run.request, run.options
+        if not self.hooks["finish"]:
+            return self._under_lease(run, body)
+        try:
+            return self._under_lease(run, body)
+        finally:
+            for stage in self.hooks["finish"]:
+                stage.finish(run, run.outcome)
+
+    def _under_lease(self, run: Run, body: Callable[..., Any]) -> Any:
+        """Take the key and run ``body`` under its lease (``run.outcome`` says how it ended)."""
+        task, request, opts = run.task, run.request, run.options
         holder = Holder(run.task_id, request.hostname or "", task.name)
         guard = run.guard = Guard(task.app, run.key, opts, holder, sender=task.name,
                                   clear_marker=self.clears_marker)
         try:
             ended = self._before_lease(run)
             if ended is not None:
+                run.outcome = "ended"
                 return ended.result
         except ProtocolMismatch as exc:  # nothing was taken
             return refuse_foreign(task, exc, run.args, run.kwargs)
@@ -107,35 +118,35 @@ class Pipeline:
         assert run.got is not None
         run.lease = guard.begin(run.got)
         setattr(request, REQUEST_ATTR, guard)
-        outcome, result, error = "failed", NO_RESULT, None
+        result, error = NO_RESULT, None
         try:
             for stage in self.hooks["on_start"]:
                 ended = stage.on_start(run)
                 if ended is not None:
-                    outcome, result = "succeeded", ended.result
+                    run.outcome, result = "succeeded", ended.result
                     return result
             result = body(*run.args, **run.kwargs)
-            outcome = "succeeded"
+            run.outcome = "succeeded"
             for stage in self.hooks["after_body"]:
                 stage.after_body(run, result)
             return result
         except Retry as exc:  # a RetryAfter too: its release pauses the key and parks the run
-            outcome, error = "retried", exc
+            run.outcome, error = "retried", exc
             raise
         except Ignore:
-            outcome = "ignored"
+            run.outcome = "ignored"
             raise
         except Reject:
-            outcome = "rejected"
+            run.outcome = "rejected"
             raise
         except BaseException as exc:
             # SystemExit: the pool child was told to stop (revoke with terminate, shutdown)
-            outcome = "failed" if isinstance(exc, Exception) else "terminated"
+            run.outcome = "failed" if isinstance(exc, Exception) else "terminated"
             error = exc
             raise
         finally:
             setattr(request, REQUEST_ATTR, None)
-            guard.end(outcome, result=result, error=error, answer_joined=outcome != "retried")
+            guard.end(run.outcome, result=result, error=error, answer_joined=run.outcome != "retried")
 
     def _before_key(self, run: Run, body: Callable[..., Any]) -> Ended | None:
         """The stages before the key (debounce): an outage is reported for the stage's own key."""

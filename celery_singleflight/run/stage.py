@@ -10,6 +10,7 @@ A run passes the hooks in this order (a stage overrides only those it needs)::
     after_take(run)          the take is over, taken or not
     on_start(run)            under the lease, before the body: may end the run
     after_body(run, result)  the body succeeded
+    finish(run, outcome)     the run is over, however it ended (after the release of its key)
 
 A hook ends a run by returning :class:`Ended` (with the run's result), or by raising what the
 run ends with (``Ignore`` once its message is re-sent, ``LockHeld``); ``None`` goes on. Stages
@@ -58,6 +59,7 @@ class Run:
         "lease",
         "notes",
         "options",
+        "outcome",
         "pipeline",
         "request",
         "task",
@@ -75,6 +77,8 @@ class Run:
         self.got: Acquired | None = None
         self.lease: Lease | None = None
         self.notes: dict[type, Any] = {}
+        #: how the run ended: succeeded, failed, retried, ... (``ended``: before its lease)
+        self.outcome = "failed"
         self._key: str | None = None
 
     @property
@@ -187,6 +191,10 @@ class Stage:
 
     def after_body(self, run: Run, result: Any) -> None:
         return None
+
+    def finish(self, run: Run, outcome: str) -> None:
+        """The run is over (``outcome``: succeeded, failed, retried, ..., or ``ended`` before its
+        lease): release what the stage holds for it."""
 
 
 def overrides(stage: Stage, hook: str) -> bool:

@@ -41,6 +41,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeLimitExceeded
 
 from ..errors import ConfigurationError, LeaseLost, SingleFlightError
+from ..policies.fair import FairShare
 from ..run.events import send_task_event, set_worker_sends_task_events
 from ..run.guard import options_store
 from ..run.heartbeat import heartbeat_for
@@ -147,7 +148,8 @@ def release_for_ended_child(
     task: Any, task_id: str, args: Any, kwargs: Any, reason: str, *, doomed: bool,
     error: BaseException | None = None,
 ) -> bool:
-    """Free the key of ``task_id`` if a pool child of this host held it and ended.
+    """Free the key of ``task_id`` (and its fair gate's slot) if a pool child of this host held
+    it and ended.
 
     ``doomed``: the main process is killing that child itself (hard time limit, terminate), so
     its lease is released without waiting for it to exit (the kill comes after this signal).
@@ -155,12 +157,27 @@ def release_for_ended_child(
     """
     if not is_guarded(task) or not task_id:
         return False
+    gate = task.pipeline.stage(FairShare)
+    if isinstance(gate, FairShare):
+        _release_slot(task, gate.gate, gate.opts.fair_concurrency or 1, task_id, reason, doomed=doomed)
     try:
         key = task.render_key(*(args or ()), **(kwargs or {}))
-        opts, store = task.options, task.store
+    except (SingleFlightError, TypeError, ValueError, KeyError) as exc:
+        log.warning("could not release the key of %s[%s] after %s: %s", task.name, task_id, reason, exc)
+        return False
+    return _release_slot(task, key, task.options.max_concurrency, task_id, reason, doomed=doomed, error=error)
+
+
+def _release_slot(
+    task: Any, key: str, slots: int, task_id: str, reason: str, *, doomed: bool,
+    error: BaseException | None = None,
+) -> bool:
+    """Release the slot of ``key`` that ``task_id`` holds from a pool child of this host that ended."""
+    opts, store = task.options, task.store
+    try:
         host = socket.gethostname()
         slot, record = 0, None
-        for slot in range(opts.max_concurrency):
+        for slot in range(slots):
             record, _ = store.reads.held(key, slot)
             if record is not None and record.task_id == task_id and record.host == host:
                 break
@@ -168,7 +185,7 @@ def release_for_ended_child(
             if reason == "revoked":
                 # the child released on SIGTERM and could only say "terminated"
                 store.lease.revise_outcome(key, task_id, "terminated", "revoked")
-            elif opts.max_concurrency == 1:
+            elif slots == 1:
                 _answer_orphaned_joined(task, store, key, task_id, error or LeaseLost(
                     key, f"the run it joined released the key, then ended ({reason}) before answering"))
             return False
@@ -176,7 +193,7 @@ def release_for_ended_child(
         if pid == os.getpid() or (not doomed and process_alive(pid)):
             return False  # the run itself is alive (threads/solo pool) and releases on its own
         settlement = store.release(
-            key, record.token, reason, opts.ttl, fence=record.fence, slot=slot, slots=opts.max_concurrency,
+            key, record.token, reason, opts.ttl, fence=record.fence, slot=slot, slots=slots,
             clear_marker=task.pipeline.clears_marker, task_id=task_id,
         )
     except (redis.RedisError, TypeError, ValueError, KeyError) as exc:

@@ -143,15 +143,16 @@ class HandOn(Sweep):
 
 def hand_on_sweeps(app: Any, tasks: list[Any]) -> list[Sweep]:
     """One :class:`HandOn` per namespace of the app's guarded tasks, whatever their policies
-    (besides queue and join, a turned-away redelivery waits in the queue of its own run), with
-    the namespace's largest TTL and slot count (extra slots are free)."""
+    (besides queue and join, a turned-away redelivery waits in the queue of its own run, and a
+    fair task's runs at its gate), with the namespace's largest TTL and slot count (extra slots
+    are free)."""
     found: dict[tuple[int, str], tuple[LeaseStore, float, int]] = {}
     for task in tasks:
         opts = task.options
         store = options_store(opts)
         key = (id(store.client), opts.namespace)
         _, ttl, slots = found.get(key, (store, 0.0, 1))
-        found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, slots))
+        found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, opts.fair_concurrency or 1, slots))
     return [HandOn(app, store, ttl, slots) for store, ttl, slots in found.values()]
 
 

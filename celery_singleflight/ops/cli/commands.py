@@ -12,7 +12,7 @@ from celery.bin.base import CeleryCommand
 
 from ...config.options import app_options
 from ...connection.targets import redis_database
-from ...worker.registry import guarded_tasks, known_slots
+from ...worker.registry import guarded_tasks, known_slots, slots_of
 from ..acl import acl_rule
 from ..keystatus import KeyStatus, WatchEvent
 from ..timestatus import read_time_status
@@ -26,6 +26,7 @@ from .format import (
     status_lines,
     status_table,
     time_lines,
+    waiting_lines,
     where_text,
 )
 from .plumbing import (
@@ -56,6 +57,9 @@ _holder_option = option(
     "--holder", default=None, metavar="TASK_ID",
     help="The run of task TASK_ID, on whichever slot of the key it holds.",
 )
+
+#: how many waiting runs ``show`` lists (the first ones, with their position and ETA)
+_SHOWN_WAITING = 20
 
 
 @click.group(name="singleflight")
@@ -126,10 +130,13 @@ def show(ctx: click.Context, words: tuple[str, ...], task_name: str | None, as_j
         runs = held_runs(ctx, status_reader, key)
         st = runs[0] if runs else status_reader.read(key)
         timing = read_time_status(status_reader.store, key)
+        waiting = status_reader.store.fair.waiters(key, slots_of(app_of(ctx), key), limit=_SHOWN_WAITING)
     if as_json:
         shown = None if st is None else {**st.as_dict(), "slots": [r.as_dict() for r in runs]}
         if not timing.empty:
             shown = {**(shown or {"key": key}), "time": timing.as_dict()}
+        if waiting:
+            shown = {**(shown or {"key": key}), "waiting": [w.as_dict() for w in waiting]}
         click.echo(json_text(shown))
     elif runs:
         several = len(runs) > 1
@@ -142,7 +149,7 @@ def show(ctx: click.Context, words: tuple[str, ...], task_name: str | None, as_j
         for line in status_lines(st):
             click.echo(line)
     if not as_json:
-        for line in time_lines(timing):
+        for line in (*time_lines(timing), *waiting_lines(waiting)):
             click.echo(line)
     if not runs:
         not_held(ctx, key, st)

@@ -11,7 +11,9 @@ from celery.bin.base import CeleryCommand
 
 from ...errors import ConfigurationError
 from ...protocol.controls import Limits
+from ...protocol.fair import gate_key
 from ..controls import clear_limits, pause, resume, set_limits
+from ..fairstatus import set_fair_weight
 from .format import duration, json_text
 from .plumbing import app_of, exit_with, handled, key_and_reader, namespace_option, option
 
@@ -88,16 +90,24 @@ def resume_command(ctx: click.Context, key: str, as_json: bool) -> None:
         help="KEY's key_rate_limit (e.g. 10/m), until cleared (tasks that have a key_rate_limit).")
 @option("--burst", type=click.IntRange(min=1), default=None, metavar="N",
         help="With --rate: its key_rate_burst.")
-@option("--clear", is_flag=True, help="Back to the tasks' own limits.")
+@option("--weight", type=click.FloatRange(min=0, min_open=True), default=None, metavar="W",
+        help="With --task: KEY is a fair key of that task, and W its share at the task's gate.")
+@option("--task", "task_name", default=None, metavar="NAME",
+        help="The fair-share task whose gate --weight (or --clear) is for.")
+@option("--clear", is_flag=True, help="Back to the tasks' own limits (with --task: its fair_weights).")
 @_json_option
 @namespace_option
 @click.pass_context
 def limit_command(ctx: click.Context, key: str, concurrency: int | None, rate: str | None, burst: int | None,
-                  clear: bool, as_json: bool) -> None:
-    """Override KEY's max_concurrency and key_rate_limit at run time, until --clear.
+                  weight: float | None, task_name: str | None, clear: bool, as_json: bool) -> None:
+    """Override KEY's max_concurrency and key_rate_limit at run time, until --clear; or, with
+    --task, the weight of fair key KEY at that task's gate.
 
     Read by the next acquire and rate check of the key on every worker; runs already holding
-    the key go on."""
+    the key go on. A weight places the fair key's next parked runs."""
+    if task_name is not None or weight is not None:
+        _weigh(ctx, key, task_name, weight, clear, as_json, concurrency is not None or rate is not None)
+        return
     if clear == (concurrency is not None or rate is not None):
         exit_with(ctx, 2, "Error: give --concurrency and/or --rate, or --clear")
     with handled(ctx):
@@ -120,3 +130,21 @@ def limit_command(ctx: click.Context, key: str, concurrency: int | None, rate: s
     else:
         click.echo(f"limits of {key}: {_limits_text(now)}")
 
+
+def _weigh(ctx: click.Context, fair_key: str, task_name: str | None, weight: float | None, clear: bool,
+           as_json: bool, limits_too: bool) -> None:
+    """``limit FAIR_KEY --task NAME --weight W`` (or ``--clear``): the fair key's weight at the gate."""
+    if task_name is None or limits_too or clear == (weight is not None):
+        exit_with(ctx, 2, "Error: give --task NAME with --weight W or --clear (not --concurrency or --rate)")
+    with handled(ctx):
+        task = app_of(ctx).tasks.get(task_name)
+        if task is None:
+            raise ConfigurationError(f"no task named {task_name!r} in this app")
+        set_fair_weight(task, fair_key, None if clear else weight)
+        weights = task.store.fair.weights(gate_key(task.name))
+    if as_json:
+        click.echo(json_text({"task": task_name, "fair_key": fair_key, "weight": weights.get(fair_key)}))
+    elif clear:
+        click.echo(f"cleared the weight of {fair_key} at {task_name}: its fair_weights apply")
+    else:
+        click.echo(f"weight of {fair_key} at {task_name}: {weights.get(fair_key):g}")

@@ -13,6 +13,7 @@ from typing import Any
 
 from ...ops.keystatus import KeyStatus, WatchEvent
 from ...ops.timestatus import TimeStatus
+from ...protocol.fair import Waiter
 
 __all__ = ["duration", "event_line", "holder_text", "json_text", "progress_text", "released_by",
            "status_lines", "status_table", "time_lines", "when", "where_text"]
@@ -181,3 +182,14 @@ def released_by() -> str:
     except (KeyError, OSError):  # no login name (e.g. an arbitrary container uid)
         user = f"uid{os.getuid()}" if hasattr(os, "getuid") else "unknown"
     return f"{user}@{socket.gethostname()} (celery singleflight release)"
+
+
+def waiting_lines(waiting: list[Waiter]) -> list[str]:
+    """The ``show`` lines of the runs waiting for a key (a fair gate's or a ``queue`` key's)."""
+    if not waiting:
+        return []
+    lines = [f"waiting: {len(waiting)}{'+' if len(waiting) >= 20 else ''} (position, task id, fair key, ETA)"]
+    for w in waiting:
+        eta = "unknown" if w.eta is None else f"in {w.eta:.1f}s"
+        lines.append(f"  {w.position}. {w.task_id}" + (f" [{w.fair_key}]" if w.fair_key else "") + f" {eta}")
+    return lines

@@ -1,0 +1,110 @@
+"""The worker's main process parks the runs of a fair task that must wait, as their messages
+arrive: a waiting run holds no pool process, and the broker's backlog drains into the fair
+gate's queue at the speed of one Redis round trip per message, not at the speed of the runs.
+
+Celery's main process sees every message first: a task's *strategy* turns a message into a
+request for the pool. A fair task's strategy (:func:`strategy`, Celery's ``Task.Strategy``)
+enters the run at its task's gate first (:mod:`..protocol.fair`). A run that may start goes on to
+the pool as usual, its slot reserved for it; a run that must wait is parked in Redis, its state
+``QUEUED`` with its position and ETA, and its message acknowledged. Nothing is lost if this
+process dies in between: an unacknowledged message comes again and finds itself parked.
+
+A countdown message, an old protocol's, or one this process cannot read is left to the pool
+process, whose stage (:mod:`..policies.fair`) parks it the same way. A Redis error here too: the
+pool process then follows ``on_redis_error``, and this process leaves the next
+:data:`LOOK_AGAIN_AFTER` seconds of messages to the pool, so that its event loop (which also
+serves the broker and the pool) is not held up by a Redis that does not answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time as mod_time
+from collections.abc import Callable
+from typing import Any
+
+from celery.app.task import Context
+from celery.worker.strategy import default
+
+from ..policies.fair import FairShare, queued_meta, weight_of
+from ..protocol.fair import Waiting, fair_token
+from ..run.messages import HEADER_FAIR_WAITED, message_of
+from ..states import QUEUED
+from .registry import is_guarded
+
+__all__ = ["LOOK_AGAIN_AFTER", "strategy"]
+
+log = logging.getLogger("celery_singleflight.queue")
+
+#: after a Redis error, how long the main process leaves the gate to the pool processes (seconds)
+LOOK_AGAIN_AFTER = 5.0
+
+
+def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., Any]:
+    """Celery's strategy for ``task``, and for a fair task, its main process's look first."""
+    handler: Callable[..., Any] = default(task, app, consumer, **kwargs)
+    stage = task.pipeline.stage(FairShare) if is_guarded(task) else None
+    if not isinstance(stage, FairShare):
+        return handler
+    errors = consumer.connection_errors
+    resting_until = 0.0
+
+    def fair_handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **rest: Any) -> Any:
+        nonlocal resting_until
+        parked = False
+        if mod_time.monotonic() >= resting_until:
+            try:
+                parked = park(task, stage, message)
+            except Exception as exc:  # noqa: BLE001 - the pool process decides: it parks, or follows on_redis_error
+                log.warning("%s: the worker's main process could not look at the fair gate (its pool"
+                            " processes do for %.0fs): %s", task.name, LOOK_AGAIN_AFTER, exc)
+                resting_until = mod_time.monotonic() + LOOK_AGAIN_AFTER
+        if parked:
+            ack(log, errors)
+            return None
+        return handler(message, body, ack, reject, callbacks, **rest)
+
+    return fair_handler
+
+
+def park(task: Any, stage: FairShare, message: Any) -> bool:
+    """Enter the run of ``message`` at its gate: True if it was parked (acknowledge it)."""
+    headers = message.headers or {}
+    if "id" not in headers or headers.get("eta"):
+        return False  # protocol 1, or a countdown: the pool process looks when it is due
+    args, kwargs, embed = message.decode()
+    request = _request(message, headers, args, kwargs, embed)
+    task_id, opts = str(headers["id"]), stage.opts
+    token = fair_token(task_id, int(headers.get("retries") or 0), headers.get)
+    fair = stage.fair_key(args, kwargs)
+    parked_at = headers.get(HEADER_FAIR_WAITED) or repr(mod_time.time())
+    body = message_of(task, tuple(args), dict(kwargs), request, **{HEADER_FAIR_WAITED: parked_at})
+    store, weight, slots = task.store, weight_of(opts, fair), opts.fair_concurrency
+    found = store.fair.enter(stage.gate, slots, task_id, token, body, fair, weight, opts.ttl, dry=True)
+    if not isinstance(found, Waiting):
+        return False
+    if not found.parked:  # stored first: once parked, it may run and store its result at once
+        if not (headers.get("ignore_result") or task.ignore_result):
+            task.backend.store_result(task_id, queued_meta(stage.gate, fair, found), QUEUED)
+        found = store.fair.enter(stage.gate, slots, task_id, token, body, fair, weight, opts.ttl)
+        if not isinstance(found, Waiting):
+            return False
+    log.info("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id,
+             found.position, fair)
+    return True
+
+
+def _request(message: Any, headers: dict[str, Any], args: Any, kwargs: Any, embed: Any) -> Any:
+    """The request a pool process would see for ``message`` (what re-sending it needs)."""
+    properties = message.properties or {}
+    delivery = message.delivery_info or {}
+    data = {
+        **headers,
+        "properties": properties,
+        "reply_to": properties.get("reply_to"),
+        "correlation_id": properties.get("correlation_id"),
+        "delivery_info": {"exchange": delivery.get("exchange"), "routing_key": delivery.get("routing_key"),
+                          "priority": properties.get("priority")},
+        **(embed or {}),
+    }
+    return Context(data, args=args, called_directly=False, kwargs=kwargs)

@@ -1,0 +1,291 @@
+"""Fair share on real workers: at most ``fair_concurrency`` at once, freed slots handed round robin
+across fair keys (weights), waiting runs parked by the main process, nothing lost on a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from types import ModuleType
+
+import pytest
+
+import celery_singleflight as sf
+from celery_singleflight import QueueTimeout, RunLost, states
+from celery_singleflight.connection.clients import redis_client
+from celery_singleflight.protocol.fair import Admitted, Waiting
+from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import KeyLayout, LeaseStore
+from celery_singleflight.testing import RedisServer
+
+from .chaos.faultproxy import DROP_REPLY, FaultProxy
+from .conftest import wait_for
+from .test_cli import run_cli
+from .lua_sources import SOURCE
+
+
+def started(sfapp: ModuleType) -> list[tuple[str, int, float]]:
+    out = []
+    for raw in sfapp.recorder.lrange("fair:started", 0, -1):
+        tenant, n, at = raw.decode().split(":")
+        out.append((tenant, int(n), float(at)))
+    return out
+
+
+@pytest.mark.worker
+def test_a_light_tenant_is_served_in_turn_behind_a_heavy_burst(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given tenant A's 40 runs sent first and tenant B's 5 after them, B's runs start in turn
+    with A's (round robin), not after all of A's; never more than 2 run at once; every run runs once."""
+    q = start_worker(concurrency=4).queue  # type: ignore[operator]
+    heavy = [sfapp.fair_job.apply_async(("A", n, 0.05), queue=q) for n in range(40)]
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
+    light = [sfapp.fair_job.apply_async(("B", n, 0.05), queue=q) for n in range(5)]
+    assert [r.get(timeout=60) for r in light] == [f"B:{n}" for n in range(5)]
+    assert [r.get(timeout=60) for r in heavy] == [f"A:{n}" for n in range(40)]
+    runs = started(sfapp)
+    sent = [("A", n) for n in range(40)] + [("B", n) for n in range(5)]
+    assert sorted((t, n) for t, n, _ in runs) == sorted(sent)
+    assert max(int(m) for m in sfapp.recorder.lrange("fair:max", 0, -1)) <= 2
+    order = [t for t, _, _ in runs]
+    last_b = max(i for i, t in enumerate(order) if t == "B")
+    # round robin: B's five are served within the next ~2 rounds of A's, not after A's 40
+    assert last_b < 20, order
+    b_runs = [n for t, n, _ in runs if t == "B"]  # each tenant's own runs in send order (2 slots: +-1)
+    assert sorted(b_runs) == list(range(5)) and all(abs(n - i) <= 1 for i, n in enumerate(b_runs)), b_runs
+
+
+@pytest.mark.worker
+def test_weight_two_gets_twice_the_share(sfapp: ModuleType, start_worker: object) -> None:
+    q = start_worker(concurrency=4).queue  # type: ignore[operator]
+    first = [sfapp.fair_job.apply_async(("block", n, 0.3), queue=q) for n in range(2)]
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
+    results = [sfapp.fair_job.apply_async((t, n, 0.02), queue=q)
+               for n in range(12) for t in ("single", "double")]
+    for r in [*first, *results]:
+        r.get(timeout=60)
+    order = [t for t, _, _ in started(sfapp) if t in ("single", "double")]
+    window = order[:12]
+    assert window.count("double") >= 7, order  # about 8 of 12 while both wait
+
+
+@pytest.mark.worker
+def test_waiting_runs_are_queued_with_position_and_eta(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
+    """Waiting runs are QUEUED with their position; the gate's status and ``celery singleflight
+    show`` list them live, in order, with their fair key."""
+    q = start_worker(concurrency=4).queue  # type: ignore[operator]
+    first = [sfapp.fair_job.apply_async(("pos", n, 4.0), queue=q) for n in range(2)]
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
+    waiting = [sfapp.fair_job.apply_async(("pos", n, 0.01), queue=q) for n in range(2, 6)]
+    wait_for(lambda: all(r.state == states.QUEUED for r in waiting), timeout=15)
+    positions = [r.info["position"] for r in waiting]
+    assert positions == [1, 2, 3, 4]
+    assert all(r.info["fair_key"] == "pos" for r in waiting)
+    gate = sfapp.fair_job.fair_status()
+    assert gate.gate == "fair:sfapp.fair_job" and gate.slots == 2 and len(gate.running) == 2
+    assert [(w.task_id, w.fair_key, w.position) for w in gate.waiting] == \
+        [(r.id, "pos", n) for n, r in enumerate(waiting, 1)]
+    shown = run_cli(redis_server, "show", "fair:sfapp.fair_job", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert [w["task_id"] for w in json.loads(shown.stdout)["waiting"]] == [r.id for r in waiting]
+    text = run_cli(redis_server, "show", "fair:sfapp.fair_job").stdout
+    assert f"1. {waiting[0].id} [pos]" in text
+    for r in [*first, *waiting]:
+        r.get(timeout=30)
+
+
+@pytest.mark.worker
+def test_a_run_that_waits_past_queue_timeout_ends_failure(sfapp: ModuleType, start_worker: object) -> None:
+    """Given queue_timeout=1 and the only slot held for 6 s, a waiting run ends FAILURE with
+    QueueTimeout (its fair key and wait in it) about a second after it parked, taken out of the
+    queue by the sweeper, not at its turn; it never runs, and the queue_timeout signal names it."""
+    q = start_worker(concurrency=4).queue  # type: ignore[operator]
+    first = sfapp.fair_timed.apply_async(("t", 0, 6.0), queue=q)
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 1, timeout=15)
+    sent = time.monotonic()
+    late = sfapp.fair_timed.apply_async(("t", 1, 0.01), queue=q)
+    with pytest.raises(QueueTimeout) as caught:
+        late.get(timeout=30)
+    assert time.monotonic() - sent < 4.5  # the holder still runs: it did not wait for its turn
+    assert caught.value.waited > 1.0 and caught.value.timeout == 1.0 and caught.value.fair_key == "t"
+    assert first.get(timeout=30) == "t:0"
+    assert [n for _, n, _ in started(sfapp)] == [0]
+    assert sfapp.fair_timed.fair_status().waiting == []
+
+
+@pytest.mark.worker
+def test_waiting_runs_hold_no_pool_process(sfapp: ModuleType, start_worker: object) -> None:
+    """Given a worker of 2 pool processes both running (fair_concurrency=2), 12 more runs are
+    parked by its main process at once (QUEUED, in order), not left in the broker until a pool
+    process frees: the backlog drains at parking speed."""
+    q = start_worker(concurrency=2).queue  # type: ignore[operator]
+    first = [sfapp.fair_job.apply_async(("busy", n, 2.0), queue=q) for n in range(2)]
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
+    waiting = [sfapp.fair_job.apply_async(("busy", n, 0.01), queue=q) for n in range(2, 14)]
+    wait_for(lambda: all(r.state == states.QUEUED for r in waiting), timeout=1.5)
+    assert sfapp.recorder.llen("fair:started") == 2  # both pool processes still on the first two
+    assert [r.info["position"] for r in waiting] == list(range(1, 13))
+    for r in [*first, *waiting]:
+        r.get(timeout=30)
+    ran = [n for _, n, _ in started(sfapp)][2:]
+    assert sorted(ran) == list(range(2, 14))
+    # handed on in send order; two slots may start their runs a few ms apart either way
+    assert all(abs(n - 2 - i) <= 1 for i, n in enumerate(ran)), ran
+
+
+@pytest.mark.worker
+def test_a_worker_killed_with_runs_parked_loses_none(sfapp: ModuleType, start_worker: object) -> None:
+    """Given two running runs (one of them handed its slot after it waited) and eight parked,
+    when the whole worker is SIGKILLed, a new worker runs every parked run exactly once (the
+    gate's slots are handed on when the dead runs' leases run out), and the run that had waited
+    and died mid-way ends FAILURE (RunLost), not QUEUED."""
+    q = "fair-killed-worker"
+    env = {"SF_TEST_TTL": "3"}
+    first = start_worker(concurrency=2, queue=q, env=env)  # type: ignore[operator]
+    sfapp.fair_job.apply_async(("k", 0, 0.5), queue=q)
+    sfapp.fair_job.apply_async(("k", 1, 30.0), queue=q)
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
+    waited = sfapp.fair_job.apply_async(("k", 2, 30.0), queue=q)
+    parked = [sfapp.fair_job.apply_async(("k", n, 0.01), queue=q) for n in range(3, 11)]
+    wait_for(lambda: all(r.state == states.QUEUED for r in parked), timeout=15)
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 3, timeout=15)  # run 2 was handed run 0's slot
+    first.kill()
+    start_worker(concurrency=2, queue=q, env=env)  # type: ignore[operator]
+    assert [r.get(timeout=40) for r in parked] == [f"k:{n}" for n in range(3, 11)]
+    runs = [n for _, n, _ in started(sfapp)]
+    assert sorted(runs) == list(range(11)) and len(runs) == 11
+    with pytest.raises(RunLost):
+        waited.get(timeout=30)
+
+
+def _store(url: str) -> LeaseStore:
+    return LeaseStore(redis_client(url), KeyLayout(f"fair-{uuid.uuid4().hex[:6]}"))
+
+
+def _hand_on(store: LeaseStore, gate: str, token: str, slots: int) -> str:
+    """Release ``token``'s slot of the gate: the task id of the run it was handed to."""
+    settlement = store.release(gate, token, "succeeded", 10, slots=slots)
+    assert settlement.handoff is not None
+    return str(json.loads(settlement.handoff)["id"])
+
+
+def test_fair_enter_run_twice_answers_the_same(redis_server: RedisServer) -> None:
+    """Given the reply of every FAIR_ENTER dropped once (the script ran; redis-py sends it again),
+    a run is reserved or parked once, at one place: the queue holds each run once, in fair order,
+    and every release hands the next slot to the next fair key in turn."""
+    with FaultProxy(redis_server.port) as proxy:
+        proxy.add_rule(DROP_REPLY, script=SOURCE["FAIR_ENTER"], first_time_only=True)
+        store = _store(proxy.url(2))
+        gate, fair = "fair:t", store.fair
+
+        def enter(task_id: str, tenant: str) -> Admitted | Waiting:
+            message = json.dumps({"id": task_id})
+            return fair.enter(gate, 1, task_id, f"tok-{task_id}", message, tenant, 1.0, 10)
+
+        assert enter("a0", "A") == Admitted(0)
+        assert isinstance(store.acquire(gate, "run-a0", 10, Holder("a0"), handoff="tok-a0"), Acquired)
+        for n in range(1, 5):
+            assert enter(f"a{n}", "A").position == n  # type: ignore[union-attr]
+        assert enter("b1", "B").position == 2  # type: ignore[union-attr]  # after A's next, not after all of A's
+        assert enter("b2", "B").position == 4  # type: ignore[union-attr]
+        assert len(proxy.faults) == 7
+        assert [w.task_id for w in fair.waiters(gate, 1)] == ["a1", "b1", "a2", "b2", "a3", "a4"]
+        served, token = [], "run-a0"
+        for _ in range(6):
+            served.append(_hand_on(store, gate, token, 1))
+            token = f"run-{served[-1]}"
+            assert isinstance(store.acquire(gate, token, 10, Holder(served[-1]), handoff=f"tok-{served[-1]}"),
+                              Acquired)
+        assert served == ["a1", "b1", "a2", "b2", "a3", "a4"]
+        assert store.handoff.queued(gate) == 0
+
+
+def test_a_sweeper_that_dies_after_taking_a_run_out_leaves_it_to_the_next(redis_server: RedisServer) -> None:
+    """Given a run past its queue_timeout taken out of the queue (the reply of FAIR_TIMEOUT lost
+    once, then its caller gone before it ended the run), the next sweep finds it again until it is
+    ended, and a run a release reserved a slot for is not taken out."""
+    with FaultProxy(redis_server.port) as proxy:
+        proxy.add_rule(DROP_REPLY, script=SOURCE["FAIR_TIMEOUT"], first_time_only=True)
+        store = _store(proxy.url(2))
+        gate, fair = "fair:t", store.fair
+        assert fair.enter(gate, 1, "h", "tok-h", "{}", "A", 1.0, 10) == Admitted(0)
+        assert isinstance(store.acquire(gate, "run-h", 10, Holder("h"), handoff="tok-h"), Acquired)
+        for task_id in ("w1", "w2"):
+            assert isinstance(fair.enter(gate, 1, task_id, f"tok-{task_id}", json.dumps({"id": task_id}),
+                                         "A", 1.0, 10), Waiting)
+        assert _hand_on(store, gate, "run-h", 1) == "w1"  # w1's slot is reserved: it stays
+        time.sleep(0.05)
+        first = fair.timed_out(gate, 1, 0.01)
+        assert [(t, f) for t, _, f in first] == [("w2", "A")] and first[0][1] >= 0.05
+        assert len(proxy.faults) == 1
+        assert [t for t, _, _ in fair.timed_out(gate, 1, 0.01)] == ["w2"]  # not ended yet: found again
+        fair.ended_timeout(gate, "w2")
+        assert fair.timed_out(gate, 1, 0.01) == []
+        assert [w.task_id for w in fair.waiters(gate, 1)] == ["w1"]
+
+
+@pytest.mark.worker
+def test_a_killed_pool_process_frees_its_fair_slot_at_once(sfapp: ModuleType, start_worker: object) -> None:
+    """Given both slots held by 30 s runs (TTL 30 s) and a run parked, when one holder's pool
+    process is SIGKILLed, the worker's main process releases its gate slot and the parked run
+    starts within seconds, not after the lease runs out."""
+    q = start_worker(concurrency=3).queue  # type: ignore[operator]
+    for n in range(2):
+        sfapp.fair_job.apply_async(("kp", n, 30.0), queue=q)
+    wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
+    parked = sfapp.fair_job.apply_async(("kp", 2, 0.01), queue=q)
+    wait_for(lambda: parked.state == states.QUEUED, timeout=15)
+    running = sfapp.fair_job.fair_status().running
+    assert len(running) == 2 and all(r.pid for r in running)
+    killed = time.monotonic()
+    os.kill(running[0].pid, signal.SIGKILL)
+    assert parked.get(timeout=15) == "kp:2"
+    assert time.monotonic() - killed < 10
+
+
+@pytest.mark.worker
+def test_a_lease_redis_that_does_not_answer_holds_up_no_message(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
+    """Given the lease Redis cut off from the worker, a fair run's message still reaches a pool
+    process, which follows on_redis_error (fail_closed: RETRY, re-sent); once Redis is back the run
+    runs, once. The main process does not park what it cannot see."""
+    with FaultProxy(redis_server.port) as proxy:
+        env = {"SF_TEST_LEASE_REDIS": proxy.url(2), "SF_TEST_REDIS_RETRY": "1"}
+        q = start_worker(concurrency=2, env=env).queue  # type: ignore[operator]
+        proxy.cut()
+        result = sfapp.fair_job.apply_async(("cut", 0, 0.01), queue=q)
+        wait_for(lambda: result.state == "RETRY", timeout=30)
+        proxy.heal()
+        assert result.get(timeout=30) == "cut:0"
+    assert [n for t, n, _ in started(sfapp) if t == "cut"] == [0]
+
+
+def test_a_weight_set_at_run_time_places_the_next_runs(sfapp: ModuleType, redis_server: RedisServer) -> None:
+    """``limit FAIR_KEY --task NAME --weight W`` (and ``set_fair_weight``) gives a fair key its
+    share at the gate from its next parked run on, until cleared; bad input is refused."""
+    gate, fair = "fair:sfapp.fair_job", sfapp.fair_job.store.fair
+    shown = run_cli(redis_server, "limit", "heavy", "--task", "sfapp.fair_job", "--weight", "3", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == {"task": "sfapp.fair_job", "fair_key": "heavy", "weight": 3.0}
+    assert sfapp.fair_job.fair_status().weights == {"heavy": 3.0}
+    assert fair.enter(gate, 2, "h0", "t-h0", "{}", "heavy", 1.0, 10) == Admitted(0)
+    assert fair.enter(gate, 2, "h1", "t-h1", "{}", "heavy", 1.0, 10) == Admitted(1)
+    for n in range(6):
+        fair.enter(gate, 2, f"l{n}", f"t-l{n}", "{}", "light", 1.0, 10)
+        fair.enter(gate, 2, f"w{n}", f"t-w{n}", "{}", "heavy", 1.0, 10)
+    order = [w.fair_key for w in fair.waiters(gate, 2)]
+    assert order[:8].count("heavy") == 6, order  # three for one while both wait
+    sf.set_fair_weight(sfapp.fair_job, "heavy", None)
+    assert sfapp.fair_job.fair_status().weights == {}
+    with pytest.raises(sf.ConfigurationError):
+        sf.set_fair_weight(sfapp.fair_job, "heavy", 0)
+    with pytest.raises(sf.ConfigurationError):
+        sf.set_fair_weight(sfapp.queued, "heavy", 2.0)
+    refused = run_cli(redis_server, "limit", "heavy", "--weight", "2")
+    assert refused.returncode == 2 and "--task" in refused.stderr
