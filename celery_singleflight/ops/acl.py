@@ -27,7 +27,7 @@ LIBRARY_COMMANDS: tuple[str, ...] = (
     "del", "get", "hdel", "hexists", "hget", "hset", "llen", "lpos", "lpush", "lrange", "lrem", "mget",
     "pexpire", "pttl", "rpush", "set", "time", "xadd",
     # fair share: a gate's queue kept in order, its weights, its recent run times, its waiters
-    "linsert", "ltrim", "hgetall", "hmget",
+    "linsert", "ltrim", "hgetall",
     # status, listing (SCAN ... TYPE string) and watching
     "scan", "xrange", "xread",
     # the namespace's indexes of waiting and delayed runs, and of live workers (the sweeper); a

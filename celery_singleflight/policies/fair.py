@@ -28,13 +28,26 @@ from ..keys import KeyFunction, compile_key
 from ..protocol.fair import Waiting, fair_token, gate_key
 from ..protocol.replies import Acquired, Holder
 from ..run.guard import Guard
-from ..run.messages import HEADER_FAIR_WAITED, header, message_of
+from ..run.messages import (
+    HEADER_ATTEMPT,
+    HEADER_DELAYED,
+    HEADER_FAIR_WAITED,
+    HEADER_HANDOFF,
+    HEADER_REJOIN,
+    header,
+    message_of,
+)
 from ..run.stage import Ended, Run, Stage, Sweep
 from ..states import QUEUED
 
-__all__ = ["FairOptions", "FairShare", "QueueTimeouts", "queued_meta", "report_timeout", "weight_of"]
+__all__ = ["RESENT_HEADERS", "FairOptions", "FairShare", "QueueTimeouts", "queued_meta", "report_timeout",
+           "weight_of"]
 
 log = logging.getLogger("celery_singleflight.queue")
+
+
+#: the headers that make a message the library sent again a new one (its token at the gate differs)
+RESENT_HEADERS = (HEADER_HANDOFF, HEADER_DELAYED, HEADER_ATTEMPT, HEADER_REJOIN)
 
 
 def _weights(where: str, value: Any, ctx: Resolving) -> dict[str, float]:
@@ -139,7 +152,7 @@ class FairShare(Stage):
     def token(self, request: Any) -> str:
         """The run's token at the gate (the main process computed the same from its message)."""
         return fair_token(str(request.id or ""), int(request.retries or 0),
-                          lambda name: header(request, name))
+                          [header(request, name) for name in RESENT_HEADERS])
 
     def before_lease(self, run: Run) -> Ended | None:
         if run.eager:
@@ -197,7 +210,9 @@ class FairShare(Stage):
         if guard is None or guard.lease is None:
             return
         lease = guard.lease
-        guard.end(outcome if outcome != "retried" else "ended")
+        settlement = guard.end(outcome if outcome != "retried" else "ended")
+        if settlement is None or settlement.handoff is None:
+            return  # nobody waits: no ETA to give (and one round trip saved)
         try:
             run.task.store.fair.note_run(self.gate, max(0.0, mod_time.time() - lease.since / 1000.0))
         except redis.RedisError as exc:

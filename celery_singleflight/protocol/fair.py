@@ -21,7 +21,7 @@ second copy of a message that already ran is recognised (``adopted``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,17 +75,12 @@ def gate_key(task_name: str) -> str:
     return f"{GATE_PREFIX}{task_name}"
 
 
-def fair_token(task_id: str, retries: int, header: Callable[[str], Any]) -> str:
+def fair_token(task_id: str, retries: int, marks: Sequence[Any]) -> str:
     """The token a run enters the gate with: the same for every copy of one message (the main
     process and the pool process agree on it; a copy of a message that ran is recognised), new
-    for each re-send the library makes (a retry, a delayed run, a hand-off of its lock key)."""
-    marks = "|".join(str(header(name) or "") for name in MESSAGE_MARKS)
-    return "fair-" + hashlib.sha1(f"{task_id}|{retries}|{marks}".encode()).hexdigest()[:24]
-
-
-#: the headers that make a re-sent message a new one (run.messages names them)
-MESSAGE_MARKS = ("singleflight_handoff", "singleflight_delayed", "singleflight_attempt",
-                  "singleflight_rejoin")
+    for each re-send the library makes (``marks``: the headers that differ then, and ``retries``)."""
+    text = "|".join(str(mark or "") for mark in marks)
+    return "fair-" + hashlib.sha1(f"{task_id}|{retries}|{text}".encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -213,8 +208,9 @@ class FairCalls(Feature):
             return []
         pipe = client.pipeline(transaction=False)
         pipe.lrange(layout.key(FAIR_TIMES, key), 0, -1)
-        pipe.hmget(layout.key(FAIR_STATE, key), [f"of:{e}" for e in entries])
-        raw_times, owners = pipe.execute()
+        for entry in entries:
+            pipe.hget(layout.key(FAIR_STATE, key), f"of:{entry}")
+        raw_times, *owners = pipe.execute()
         times = [int(t) / 1000.0 for t in raw_times]
         mean = sum(times) / len(times) if times else 0.0
         elapsed = self._elapsed(key, slots) if mean else []

@@ -26,7 +26,7 @@ from typing import Any
 from celery.app.task import Context
 from celery.worker.strategy import default
 
-from ..policies.fair import FairShare, queued_meta, weight_of
+from ..policies.fair import RESENT_HEADERS, FairShare, queued_meta, weight_of
 from ..protocol.fair import Waiting, fair_token
 from ..run.messages import HEADER_FAIR_WAITED, message_of
 from ..states import QUEUED
@@ -60,7 +60,10 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
                             " processes do for %.0fs): %s", task.name, LOOK_AGAIN_AFTER, exc)
                 resting_until = mod_time.monotonic() + LOOK_AGAIN_AFTER
         if parked:
-            ack(log, errors)
+            # at once, not through Celery's ack promise: that one waits for the event loop's next
+            # turn, which a worker with nothing else to do takes only at its poll timeout, so the
+            # broker, held to the prefetch count, would send the next message that much later
+            message.ack_log_error(log, errors)
             return None
         return handler(message, body, ack, reject, callbacks, **rest)
 
@@ -70,27 +73,31 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
 def park(task: Any, stage: FairShare, message: Any) -> bool:
     """Enter the run of ``message`` at its gate: True if it was parked (acknowledge it)."""
     headers = message.headers or {}
-    if "id" not in headers or headers.get("eta"):
-        return False  # protocol 1, or a countdown: the pool process looks when it is due
+    if "id" not in headers or headers.get("eta") or headers.get(HEADER_FAIR_WAITED):
+        # protocol 1, or a countdown: the pool process looks when it is due; a run that waited
+        # here is sent again when a release handed it a slot: its pool process adopts it
+        return False
     args, kwargs, embed = message.decode()
-    request = _request(message, headers, args, kwargs, embed)
     task_id, opts = str(headers["id"]), stage.opts
-    token = fair_token(task_id, int(headers.get("retries") or 0), headers.get)
-    fair = stage.fair_key(args, kwargs)
+    marks = [headers.get(name) for name in RESENT_HEADERS]
+    token = fair_token(task_id, int(headers.get("retries") or 0), marks)
+    fair, store = stage.fair_key(args, kwargs), task.store
+    weight, slots, gate = weight_of(opts, fair), opts.fair_concurrency, stage.gate
+    if not (headers.get("ignore_result") or task.ignore_result):
+        # QUEUED is stored before the run is parked: once parked, it may run and store its result
+        # at once. So first only ask (a free slot is reserved for it then, with nothing to store)
+        found = store.fair.enter(gate, slots, task_id, token, "", fair, weight, opts.ttl, dry=True)
+        if not isinstance(found, Waiting) or found.parked:
+            return isinstance(found, Waiting)
+        task.backend.store_result(task_id, queued_meta(gate, fair, found), QUEUED)
     parked_at = headers.get(HEADER_FAIR_WAITED) or repr(mod_time.time())
+    request = _request(message, headers, args, kwargs, embed)
     body = message_of(task, tuple(args), dict(kwargs), request, **{HEADER_FAIR_WAITED: parked_at})
-    store, weight, slots = task.store, weight_of(opts, fair), opts.fair_concurrency
-    found = store.fair.enter(stage.gate, slots, task_id, token, body, fair, weight, opts.ttl, dry=True)
+    found = store.fair.enter(gate, slots, task_id, token, body, fair, weight, opts.ttl)
     if not isinstance(found, Waiting):
         return False
-    if not found.parked:  # stored first: once parked, it may run and store its result at once
-        if not (headers.get("ignore_result") or task.ignore_result):
-            task.backend.store_result(task_id, queued_meta(stage.gate, fair, found), QUEUED)
-        found = store.fair.enter(stage.gate, slots, task_id, token, body, fair, weight, opts.ttl)
-        if not isinstance(found, Waiting):
-            return False
-    log.info("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id,
-             found.position, fair)
+    log.debug("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id, found.position,
+              fair)
     return True
 
 
