@@ -113,6 +113,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_cluster.py --write-docs
 	$(PY) benchmarks/bench_policies.py --write-docs
 	$(PY) benchmarks/bench_replicas.py --write-docs
+	$(PY) benchmarks/bench_fair.py --write-docs
 
 clean:
 	rm -rf $(VENV) $(LOWEST) $(HIGHEST) .mypy_cache .pytest_cache .ruff_cache site
