@@ -560,16 +560,16 @@ def record_fair(tenant: str, n: int, seconds: float) -> None:
         recorder.decr("fair:running")
 
 
-@app.task(bind=True, base=SingleFlightTask, lock_key="fj:<tenant>:<n>", fair_key="<tenant>", fair_concurrency=2,
-          fair_weights={"double": 2.0})
+@app.task(bind=True, base=SingleFlightTask, lock_key="fj:<tenant>:<n>", fair_key="<tenant>",
+          fair_concurrency=2, fair_weights={"double": 2.0})
 def fair_job(self, tenant, n, seconds=0.05):
     """Fair share across tenants: at most 2 at once, freed slots handed round robin by tenant."""
     record_fair(tenant, n, seconds)
     return f"{tenant}:{n}"
 
 
-@app.task(bind=True, base=SingleFlightTask, lock_key="ft:<tenant>:<n>", fair_key="<tenant>", fair_concurrency=1,
-          queue_timeout=1.0)
+@app.task(bind=True, base=SingleFlightTask, lock_key="ft:<tenant>:<n>", fair_key="<tenant>",
+          fair_concurrency=1, queue_timeout=1.0)
 def fair_timed(self, tenant, n, seconds=0.5):
     """Fair share with a queue_timeout: runs that wait over 1 s end FAILURE (QueueTimeout)."""
     record_fair(tenant, n, seconds)

@@ -22,8 +22,8 @@ from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import wait_for
-from .test_cli import run_cli
 from .lua_sources import SOURCE
+from .test_cli import run_cli
 
 
 def started(sfapp: ModuleType) -> list[tuple[str, int, float]]:
