@@ -15,15 +15,16 @@ from __future__ import annotations
 import logging
 import math
 import time as mod_time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery import states as celery_states
 from celery.exceptions import Ignore
 
-from .. import signals
+from .. import constants, signals
 from ..config.option import Option, OptionGroup, Resolving, anything, count, seconds
-from ..errors import ConfigurationError, QueueTimeout
+from ..errors import ConfigurationError, LockHeld, QueueTimeout
 from ..keys import KeyFunction, compile_key
 from ..protocol.fair import Waiting, fair_token, gate_key
 from ..protocol.replies import Acquired, Holder
@@ -119,14 +120,14 @@ class FairShare(Stage):
     """The stage of a task with ``fair_concurrency``."""
 
     options = FairOptions
-    throws = (QueueTimeout,)
+    throws = (QueueTimeout, LockHeld)
 
     def __init__(self, render: KeyFunction | None, task_cls: type, opts: Any) -> None:
         self.render = render
         self.gate = gate_key(str(getattr(task_cls, "name", "")))
         self.opts = opts
         #: the gate's options: the task's, with the gate's slots
-        self.gate_opts = type(opts)({**opts._values, "max_concurrency": opts.fair_concurrency})
+        self.gate_opts = opts.replace(max_concurrency=opts.fair_concurrency)
 
     @classmethod
     def define(cls, task_cls: type, signature: Any, name: str) -> KeyFunction | None:
@@ -161,7 +162,14 @@ class FairShare(Stage):
         token = self.token(request)
         holder = Holder(run.task_id, request.hostname or "", task.name)
         guard = Guard(task.app, self.gate, self.gate_opts, holder, sender=task.name)
-        for _ in range(3):
+        keeps_result = not (request.ignore_result or task.ignore_result)
+        fair = self.fair_key(run.args, run.kwargs)
+
+        def message() -> str:
+            parked_at = header(request, HEADER_FAIR_WAITED) or repr(mod_time.time())
+            return message_of(task, run.args, run.kwargs, **{HEADER_FAIR_WAITED: parked_at})
+
+        for _ in range(constants.ACQUIRE_ATTEMPTS):
             got = guard.take(handoff=token)
             if isinstance(got, Acquired):
                 break
@@ -169,40 +177,42 @@ class FairShare(Stage):
                 log.info("%s[%s]: this run took its fair slot before; this copy of its message is dropped",
                          task.name, run.task_id)
                 raise Ignore()
-            if self._wait(run, token):
+            # a countdown message, or a slot taken meanwhile: it waits (a free slot: take again)
+            if self.wait(task, run.task_id, token, fair, keeps_result, message):
                 raise Ignore()
         else:
-            return None  # the gate keeps changing hands: run without it rather than lose the run
+            raise LockHeld(self.gate, None, None)  # as a lock key that keeps changing hands
         guard.begin(got, announce=False)
         run.notes[FairShare] = guard
         waited = wait_of(request)
         timeout = self.opts.queue_timeout
         if timeout is not None and waited > timeout:
-            error = QueueTimeout(run.key, self.gate, waited, timeout, self.fair_key(run.args, run.kwargs))
+            error = QueueTimeout(run.key, self.gate, waited, timeout, fair)
             report_timeout(task, run.task_id, error)
             raise error
         return None
 
-    def _wait(self, run: Run, token: str) -> bool:
-        """Park a run the main process let through (a countdown message, or a slot taken in
-        between): True once parked, False if a slot is free now (take again)."""
-        task, request = run.task, run.request
-        fair = self.fair_key(run.args, run.kwargs)
-        parked_at = header(request, HEADER_FAIR_WAITED) or repr(mod_time.time())
-        message = message_of(task, run.args, run.kwargs, **{HEADER_FAIR_WAITED: parked_at})
-        store, weight = task.store, weight_of(self.opts, fair)
-        found = store.fair.enter(self.gate, self.opts.fair_concurrency, run.task_id, token, message, fair,
-                                 weight, self.opts.ttl, dry=True)
+    def wait(self, task: Any, task_id: str, token: str, fair: str, keeps_result: bool,
+             message: Callable[[], str]) -> bool:
+        """Park a run at the gate, from the main process or the pool process: True once parked (or
+        parked before), False if a slot was free and is now reserved for it (take it).
+
+        ``QUEUED`` is stored before the run is parked: once parked it may be handed a slot, run
+        and store its result at once. So a run whose result is kept asks first (``dry``), and
+        ``message`` (the run's own, to send when its turn comes) is built only to park it."""
+        store, opts = task.store, self.opts
+        call = (self.gate, opts.fair_concurrency, task_id, token)
+        weight = weight_of(opts, fair)
+        if keeps_result:
+            found = store.fair.enter(*call, "", fair, weight, opts.ttl, dry=True)
+            if not isinstance(found, Waiting) or found.parked:
+                return isinstance(found, Waiting)
+            task.backend.store_result(task_id, queued_meta(self.gate, fair, found), QUEUED)
+        found = store.fair.enter(*call, message(), fair, weight, opts.ttl)
         if not isinstance(found, Waiting):
             return False
-        if not (request.ignore_result or task.ignore_result):
-            task.backend.store_result(run.task_id, queued_meta(self.gate, fair, found), QUEUED)
-        found = store.fair.enter(self.gate, self.opts.fair_concurrency, run.task_id, token, message, fair,
-                                 weight, self.opts.ttl)
-        if not isinstance(found, Waiting):
-            return False
-        log.info("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, run.task_id,
-                 found.position, fair)
+        log.debug("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id,
+                  found.position, fair)
         return True
 
     def finish(self, run: Run, outcome: str) -> None:

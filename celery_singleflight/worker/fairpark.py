@@ -26,10 +26,9 @@ from typing import Any
 from celery.app.task import Context
 from celery.worker.strategy import default
 
-from ..policies.fair import RESENT_HEADERS, FairShare, queued_meta, weight_of
-from ..protocol.fair import Waiting, fair_token
+from ..policies.fair import RESENT_HEADERS, FairShare
+from ..protocol.fair import fair_token
 from ..run.messages import HEADER_FAIR_WAITED, message_of
-from ..states import QUEUED
 from .registry import is_guarded
 
 __all__ = ["LOOK_AGAIN_AFTER", "strategy"]
@@ -78,27 +77,17 @@ def park(task: Any, stage: FairShare, message: Any) -> bool:
         # here is sent again when a release handed it a slot: its pool process adopts it
         return False
     args, kwargs, embed = message.decode()
-    task_id, opts = str(headers["id"]), stage.opts
+    task_id = str(headers["id"])
     marks = [headers.get(name) for name in RESENT_HEADERS]
     token = fair_token(task_id, int(headers.get("retries") or 0), marks)
-    fair, store = stage.fair_key(args, kwargs), task.store
-    weight, slots, gate = weight_of(opts, fair), opts.fair_concurrency, stage.gate
-    if not (headers.get("ignore_result") or task.ignore_result):
-        # QUEUED is stored before the run is parked: once parked, it may run and store its result
-        # at once. So first only ask (a free slot is reserved for it then, with nothing to store)
-        found = store.fair.enter(gate, slots, task_id, token, "", fair, weight, opts.ttl, dry=True)
-        if not isinstance(found, Waiting) or found.parked:
-            return isinstance(found, Waiting)
-        task.backend.store_result(task_id, queued_meta(gate, fair, found), QUEUED)
-    parked_at = headers.get(HEADER_FAIR_WAITED) or repr(mod_time.time())
-    request = _request(message, headers, args, kwargs, embed)
-    body = message_of(task, tuple(args), dict(kwargs), request, **{HEADER_FAIR_WAITED: parked_at})
-    found = store.fair.enter(gate, slots, task_id, token, body, fair, weight, opts.ttl)
-    if not isinstance(found, Waiting):
-        return False
-    log.debug("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id, found.position,
-              fair)
-    return True
+    keeps_result = not (headers.get("ignore_result") or task.ignore_result)
+
+    def body() -> str:
+        request = _request(message, headers, args, kwargs, embed)
+        parked_at = repr(mod_time.time())
+        return message_of(task, tuple(args), dict(kwargs), request, **{HEADER_FAIR_WAITED: parked_at})
+
+    return stage.wait(task, task_id, token, stage.fair_key(args, kwargs), keeps_result, body)
 
 
 def _request(message: Any, headers: dict[str, Any], args: Any, kwargs: Any, embed: Any) -> Any:
