@@ -140,6 +140,9 @@ class Derived(Generic[T]):
         return self.compute(ctx)
 
 
+_G = TypeVar("_G", bound="OptionGroup")
+
+
 class OptionGroup:
     """A feature's options (class attributes :class:`Option`). ``validate`` checks options
     against each other once all are resolved."""
@@ -150,6 +153,10 @@ class OptionGroup:
 
     def __init__(self, values: dict[str, Any]) -> None:
         self._values = values
+
+    def replace(self: _G, **values: Any) -> _G:
+        """These options with ``values`` changed (already resolved and checked by the caller)."""
+        return type(self)({**self._values, **values})
 
     @classmethod
     def declared(cls) -> Iterator[Option[Any] | Derived[Any]]:

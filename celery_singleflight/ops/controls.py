@@ -60,10 +60,10 @@ def set_limits(app_or_task: Any, key: str, *, concurrency: int | None = None, ra
     if concurrency is not None and (isinstance(concurrency, bool) or concurrency < 1):
         raise ValueError(f"limits of {key!r}: concurrency={concurrency!r} must be a whole number, at least 1")
     parsed = parse_rate(f"limits of {key!r}", rate, burst) if rate is not None else None
-    interval = None if parsed is None else max(1, round(parsed.interval * 1_000_000))
-    tolerance = None if parsed is None or interval is None else interval * (parsed.burst - 1)
+    if parsed is None:
+        return _store(app_or_task, namespace).controls.set_limits(key, concurrency)
     return _store(app_or_task, namespace).controls.set_limits(
-        key, concurrency, interval, tolerance, None if parsed is None else parsed.text)
+        key, concurrency, parsed.interval_us, parsed.tolerance_us, parsed.text)
 
 
 def clear_limits(app_or_task: Any, key: str, *, namespace: str | None = None) -> Limits | None:

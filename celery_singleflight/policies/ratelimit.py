@@ -89,6 +89,16 @@ class Rate:
         """Seconds between two cells."""
         return 1.0 / self.per_second
 
+    @property
+    def interval_us(self) -> int:
+        """The emission interval, as the script counts it (µs, at least 1)."""
+        return max(1, round(self.interval * 1_000_000))
+
+    @property
+    def tolerance_us(self) -> int:
+        """How far before its TAT a cell may start: ``(burst - 1)`` intervals (µs)."""
+        return self.interval_us * (self.burst - 1)
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -127,14 +137,9 @@ def parse_rate(where: str, value: Any, burst: Any = None) -> Rate | None:
     return Rate(per_second, burst, "".join(str(value).split()))
 
 
-def _us(seconds: float) -> int:
-    return max(1, round(seconds * 1_000_000))
-
-
 def reserve(store: LeaseStore, key: str, rate: Rate, call_id: str) -> Slot:
     """One round trip: the cell of ``call_id`` on ``key`` (taken now, or found from before)."""
-    interval = _us(rate.interval)
-    planned, now, fresh = store.timing.reserve(key, interval, interval * (rate.burst - 1), call_id)
+    planned, now, fresh = store.timing.reserve(key, rate.interval_us, rate.tolerance_us, call_id)
     wait = (planned - now) / 1_000_000
     return Slot(planned / 1_000_000, 0.0 if wait <= constants.RATE_EARLY_ALLOWANCE else wait, fresh)
 

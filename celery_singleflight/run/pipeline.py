@@ -88,8 +88,6 @@ class Pipeline:
         ended = self._before_key(run, body)
         if ended is not None:
             return ended.result
-        if not self.hooks["finish"]:
-            return self._under_lease(run, body)
         try:
             return self._under_lease(run, body)
         finally:
