@@ -99,6 +99,7 @@ from benchutil import (  # noqa: E402
     delete_matching,
     import_app,
     machine,
+    pyplot,
     redis_for,
     worker_problems,
     write_section,
@@ -510,15 +511,9 @@ def cumulative(recs: Sequence[Rec], light: bool, t0: float) -> tuple[list[float]
 def plot(results: dict[tuple[str, str], list[Measurement]], args: argparse.Namespace) -> str | None:
     """Per case, the share of the light tenants' runs and of A's runs started over time, plain vs fair
     (first round with both sides), to docs/img/bench-fair.png."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return None
-    IMAGES.mkdir(exist_ok=True)
     path = IMAGES / "bench-fair.png"
     fig, axes = plt.subplots(1, len(CASES), figsize=(9.5, 3.6), dpi=110, sharey=True)
     for ax, case in zip(axes, CASES, strict=True):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import redis
 
@@ -150,10 +151,9 @@ def write_section(name: str, markdown: str, doc: Path = BENCH_DOC) -> None:
     print(f"wrote the {name!r} section of {doc.relative_to(doc.parent.parent)}")
 
 
-def bar_chart(name: str, title: str, labels: Sequence[str], values: Sequence[float], unit: str,
-              highlight: str | None = None) -> str | None:
-    """Draw a horizontal bar chart to docs/img/bench-NAME.png (matplotlib, from the ``bench``
-    extra); return the Markdown image line, or None without matplotlib."""
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (from the ``bench`` extra), with docs/img/ made; None
+    (said once on stdout) without matplotlib."""
     try:
         import matplotlib
 
@@ -163,6 +163,16 @@ def bar_chart(name: str, title: str, labels: Sequence[str], values: Sequence[flo
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return None
     IMAGES.mkdir(exist_ok=True)
+    return plt
+
+
+def bar_chart(name: str, title: str, labels: Sequence[str], values: Sequence[float], unit: str,
+              highlight: str | None = None) -> str | None:
+    """Draw a horizontal bar chart to docs/img/bench-NAME.png; return the Markdown image line, or
+    None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
     path = IMAGES / f"bench-{name}.png"
     fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(labels) + 1.2), dpi=110)
     colors = ["#d9480f" if label == highlight else "#868e96" for label in labels]
