@@ -33,6 +33,7 @@ from celery import Celery
 from celery import signals as celery_signals
 
 from celery_singleflight import LeaseLost, SingleFlightTask
+from celery_singleflight.policies.ratelimit import PLANNED_ATTR
 
 BASE = os.environ.get("CHAOS_REDIS", "redis://127.0.0.1:6379")
 LEASE_URL = os.environ.get("CHAOS_LEASE_URL", f"{BASE}/2")
@@ -345,14 +346,16 @@ def soak_limited(self, key, seconds):
 # -- nothing waiting is lost: one task per policy (tests/chaos/test_nothing_lost.py) ----------------
 
 
-def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False) -> int:
+def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False, planned: Any = None) -> int:
     """Record a run under its lock key (with its argument ``n``) and hold it ``seconds``; stop
     (``LeaseLost``) as soon as the lease counts as lost, as a careful task does. A superseded run
     goes on until it is revoked. ``per_slot``: each slot of a ``max_concurrency`` key is a key of
-    the recorder."""
+    the recorder. ``planned``: a rate-limited run's cell (its planned start, epoch seconds)."""
     lease = task.lease
     run = Run(f"{lease.key}#slot{lease.slot}" if per_slot else lease.key, task.name, lease.fence)
     run.info["n"] = str(n)
+    if planned is not None:
+        run.info["planned"] = repr(planned)
     with run:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -402,7 +405,7 @@ def nl_debounce(self, key, n, seconds=0.1):
           key_rate_limit="4/s", max_concurrency=8)
 def nl_rate(self, key, n, seconds=0.05):
     """Rate limited; 8 slots, so a long run does not hold the others back (only the rate does)."""
-    return _nl_body(self, n, seconds, per_slot=True)
+    return _nl_body(self, n, seconds, per_slot=True, planned=getattr(self.request, PLANNED_ATTR, None))
 
 
 # -- the lease Redis loses its data (tests/chaos/test_redis_data_loss.py) -------------------------
