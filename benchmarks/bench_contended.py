@@ -470,17 +470,16 @@ def markdown(variants: Sequence[Variant], args: argparse.Namespace, host: str, s
     parts = [
         "## Contended keys, per duplicate policy (`benchmarks/bench_contended.py`)",
         "",
-        f"Alone: `.venv/bin/python benchmarks/bench_contended.py` (`--tasks N`, `--keys K`, `--order`, "
-        f"`--rounds N`, `--redis-url URL`). Measured {host}.",
+        f"Alone: `.venv/bin/python benchmarks/bench_contended.py` (options: `--help`). Measured {host}.",
         "",
         f"{args.tasks:,} tasks over {args.keys} keys ({per_key:g} per key, order `{args.order}`), "
-        f"each body sleeping {args.sleep * 1e3:g} ms, published in one burst, then drained by one fresh "
-        f"`celery worker --pool prefork --concurrency {CONCURRENCY}` (Redis broker, results in the "
-        f"Redis result backend for every variant). {setup}",
+        f"{args.sleep * 1e3:g} ms each, published in one burst, then drained by one fresh "
+        f"`celery worker --pool prefork --concurrency {CONCURRENCY}` (Redis broker and result backend). "
+        f"{setup}",
         "",
-        "\"Ran twice at once\" comes from an independent per-key counter in a Redis DB the library never "
-        "touches; runs/s = bodies run / (first start to last end). celery-once and celery-singleton lock "
-        "in `apply_async`, so only each key's first task is sent.",
+        "\"Ran twice at once\": a per-key counter in a Redis DB the library never touches; runs/s = "
+        "bodies run / (first start to last end). celery-once and celery-singleton lock in `apply_async`: "
+        "only each key's first task is sent.",
         "",
         summary_table(variants, args),
     ]

@@ -640,13 +640,11 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
             f"with `fair_concurrency={args.fair_concurrency}`), {prefetch_text}, {broker}, results ignored. "
             f"A sends {args.tasks:,} runs of {SLEEP * 1e3:g} ms, then B, C, D, E {args.light} each; wait = "
             f"body start minus send. Medians of {args.rounds} interleaved round(s); ratios are paired. Each "
-            f"freed fair slot is handed on through the broker (behind any backlog not parked yet), a few "
-            f"ms per run that plain Celery's prefetched message does not pay. A's share: of the runs "
-            f"started between the first light send and the last light start, the fraction that were A's "
-            f"(even round robin over 5 tenants: 20 %). Case 2's fair task uses "
-            f"`on_duplicate=\"queue\"`, so no run of a busy lock key is dropped as a duplicate (every run "
-            f"is checked to run exactly once); plain Celery has no lock keys, so its case 2 is case 1's "
-            f"workload again.")
+            f"freed fair slot is handed on through the broker, a few ms per run that plain Celery's "
+            f"prefetched message does not pay. A's share: A's fraction of the runs started between the "
+            f"first light send and the last light start (even round robin over 5 tenants: 20 %). Case 2's "
+            f"fair task uses `on_duplicate=\"queue\"`, so no run is dropped as a duplicate; plain Celery "
+            f"has no lock keys, so its case 2 repeats case 1.")
     print(note)
     if fair_problem:
         print(f"\nThe fair side is not available: {fair_problem}. Only plain Celery was measured.")

@@ -737,10 +737,10 @@ def run(url: str, seconds: float, private: bool, callgrind: bool = False, write_
                        server_instructions)
         breakdown = server_breakdown(server, namespace, server_instructions)
         notes = (
-            f"redis-py's Lock is measured in the same run in {max(2, round(seconds / SLICE))} alternating "
-            "slices; a ratio is the median of the paired per-slice ratios (lowest and highest in "
-            f"brackets). Its renewal pass is {RENEWED_LEASES:,} reacquire() calls (it has no batch "
-            f"renewal). Two PINGs, the ceiling of any 2-round-trip pair: {ceiling:,.0f}/s."
+            f"Measured in {max(2, round(seconds / SLICE))} alternating slices; a ratio is the median of "
+            "paired per-slice ratios (range in brackets). redis-py's Lock has no batch renewal: its pass "
+            f"is {RENEWED_LEASES:,} reacquire() calls. Two PINGs, the ceiling of any 2-round-trip pair: "
+            f"{ceiling:,.0f}/s."
         )
         breakdown_note = (
             "Each row is one part of a lease script run alone as its own script (so each includes the "

@@ -140,9 +140,9 @@ class Bench:
         if variant in SF_VARIANTS:
             opts = task.options
             policy = opts.on_duplicate
-            waits = ("`queue`: parked in Redis, handed the key by the surviving worker's sweeper"
+            waits = ("parked; the surviving worker's sweeper hands it the key"
                      if policy == "queue" else
-                     f"`retry`: backoff capped by the lease time left, max_wait {opts.max_wait:g} s")
+                     f"backoff capped by the lease time left, max_wait {opts.max_wait:g} s")
             return waits, f"lease TTL {opts.ttl:g} s, renewed every {opts.heartbeat_interval:.3g} s"
         if variant == "once":
             return ("re-sent by the producer (refused: `REJECTED`)",
@@ -312,14 +312,12 @@ def markdown(results: list[Result], failed: list[str], args: argparse.Namespace,
     parts = [
         "## Crash recovery: `kill -9` of the holder's worker (`benchmarks/bench_recovery.py`)",
         "",
-        f"Alone: `.venv/bin/python benchmarks/bench_recovery.py` (`--window S`, `--held S`, "
-        f"`--redis-url URL`). Measured {host}.",
+        f"Alone: `.venv/bin/python benchmarks/bench_recovery.py` (options: `--help`). Measured {host}.",
         "",
-        f"The holder has held its key for {args.held:g} s on worker A when A's whole process group gets "
+        f"The holder has held its key {args.held:g} s on worker A when A's whole process group gets "
         "`SIGKILL`; a duplicate waits on worker B (for the libraries that lock in `apply_async`, the "
         f"producer re-sends every {args.resend:g} s). Expiries beyond {args.window:g} s are not waited "
-        f"out: the PTTL read after the kill says when they end. Our run record outlives the lease by the "
-        f"status retention. {setup}",
+        f"out: the PTTL read after the kill says when they end. {setup}",
         "",
         table(results, args.window),
     ]

@@ -232,10 +232,9 @@ def report(cost: dict[str, Any], sched: dict[str, dict[str, Any]], tasks: int, s
         )
     lines += [
         "",
-        "`steady`: the worker keeps up, and a delayed run starts within milliseconds of its cell. In"
-        " `all at once`, the tail is the worker draining the backlog ahead of the re-sends; a run held"
-        " up more than 1 s takes a new cell, and is measured against it. The planned starts obey the"
-        " limit in both.",
+        "`steady`: the worker keeps up; a delayed run starts within milliseconds of its cell. `all at"
+        " once`: the tail is the worker draining the backlog ahead of the re-sends; a run held up more"
+        " than 1 s takes a new cell and is measured against it. Planned starts obey the limit in both.",
     ]
     return "\n".join(lines)
 

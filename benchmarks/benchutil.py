@@ -127,7 +127,7 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     try:
-        load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:  # pragma: no cover - not on Linux
         load = "n/a"
     return (f"{dt.date.today().isoformat()}, {os.cpu_count()} x {cpu}, load {load} at start, "
