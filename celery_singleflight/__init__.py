@@ -42,6 +42,9 @@ from .hold import HoldLease, hold
 # keys
 from .keys import MAX_KEY_LENGTH, canonical, compile_key, digest_key
 
+# status and watch for asyncio (ASGI) apps
+from .ops.astatus import astatus, awatch
+
 # run-time controls of a key
 from .ops.controls import Limits, clear_limits, controls, pause, resume, set_limits
 
@@ -115,6 +118,8 @@ __all__ = [
     "status",
     "status_all",
     "watch",
+    "astatus",
+    "awatch",
     # fair share
     "FairStatus",
     "Waiter",

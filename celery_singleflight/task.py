@@ -21,7 +21,8 @@ owns it (:mod:`.config`); the configuration page lists them all.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
 from typing import Any, ClassVar
 
 from celery import Task
@@ -31,6 +32,7 @@ from .config.names import check_task_options
 from .config.options import Options, resolve_options, task_option_names
 from .errors import KeyTemplateError, NotInsideRun
 from .keys import KeyFunction, canonical, compile_key
+from .ops.astatus import reader_for
 from .ops.fairstatus import FairStatus, fair_status
 from .ops.status import KeyStatus, StatusReader, WatchEvent
 from .ops.timestatus import TimeStatus, task_time_status
@@ -126,10 +128,13 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         reads what ``status(app, sync_account.render_key(42))`` would, in this task's namespace.
         With ``max_concurrency`` > 1, the first held slot (see :meth:`status_all`); None if
         nothing is known about the key."""
-        key = self.render_key(*args, **kwargs)
-        reader = StatusReader(self.store, self.app)
-        runs = reader.read_all(key, slots=self.options.max_concurrency)
-        return runs[0] if runs else reader.read(key)
+        return StatusReader(self.store, self.app).read_first(self.render_key(*args, **kwargs),
+                                                             self.options.max_concurrency)
+
+    async def astatus(self, *args: Any, **kwargs: Any) -> KeyStatus | None:
+        """:meth:`status` for async code (``await sync_account.astatus(42)``), read on the event loop."""
+        reader = await reader_for(self.options)
+        return await reader.read_first(self.render_key(*args, **kwargs), self.options.max_concurrency)
 
     def status_all(self, *args: Any, **kwargs: Any) -> list[KeyStatus]:
         """Every held slot of the key of this call (one for a plain task); empty if none is held."""
@@ -152,8 +157,17 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         ``watch(app, task.render_key(...), timeout=...)``."""
         key = self.render_key(*args, **kwargs)
         reader = StatusReader(self.store, self.app)
-        runs = reader.read_all(key, slots=self.options.max_concurrency)
-        return reader.watch(key, slot=runs[0].slot if runs else 0)
+        first = reader.read_first(key, self.options.max_concurrency)
+        return reader.watch(key, slot=first.slot if first is not None else 0)
+
+    async def awatch(self, *args: Any, **kwargs: Any) -> AsyncGenerator[WatchEvent, None]:
+        """:meth:`watch` for async code, on the event loop: ``async for event in sync_account.awatch(42)``."""
+        key = self.render_key(*args, **kwargs)
+        reader = await reader_for(self.options)
+        first = await reader.read_first(key, self.options.max_concurrency)
+        async with aclosing(reader.watch(key, slot=first.slot if first is not None else 0)) as events:
+            async for event in events:
+                yield event
 
     @property
     def options(self) -> Options:

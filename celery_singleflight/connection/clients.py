@@ -31,6 +31,7 @@ __all__ = [
     "UNAVAILABLE_STATES",
     "UNREACHABLE",
     "AttemptClock",
+    "client_options",
     "is_unavailable",
     "kept_connection",
     "last_attempt_sent",
@@ -140,17 +141,23 @@ def redis_client(target: str | RedisTarget) -> Any:
             if client is None:
                 if isinstance(target, str):
                     target = target_from_settings(target)
-                common: dict[str, Any] = {
-                    "socket_connect_timeout": constants.CONNECT_TIMEOUT,
-                    "socket_timeout": constants.SOCKET_TIMEOUT,
-                    "retry": AttemptClock(ExponentialBackoff(cap=constants.CLIENT_BACKOFF_CAP,
-                                                             base=constants.CLIENT_BACKOFF_BASE),
-                                          constants.CLIENT_RETRIES),
-                }
-                if not target.cluster:
-                    common["health_check_interval"] = constants.CLIENT_HEALTH_CHECK
-                client = _clients[key] = build_client(target, common)
+                client = _clients[key] = build_client(target, client_options(target))
     return client
+
+
+def client_options(target: RedisTarget, retry_class: type[Any] = AttemptClock) -> dict[str, Any]:
+    """The connection options of every client the library builds for ``target``: short timeouts
+    and a few retries, so an outage is seen in seconds. ``retry_class``: ``redis.asyncio``'s
+    ``Retry`` for an asyncio client (the blocking ones also note when each attempt was sent)."""
+    backoff = ExponentialBackoff(cap=constants.CLIENT_BACKOFF_CAP, base=constants.CLIENT_BACKOFF_BASE)
+    common: dict[str, Any] = {
+        "socket_connect_timeout": constants.CONNECT_TIMEOUT,
+        "socket_timeout": constants.SOCKET_TIMEOUT,
+        "retry": retry_class(backoff, constants.CLIENT_RETRIES),
+    }
+    if not target.cluster:
+        common["health_check_interval"] = constants.CLIENT_HEALTH_CHECK
+    return common
 
 
 _kept = threading.local()

@@ -34,8 +34,9 @@ from ..errors import ConfigurationError
 from ..spelling import closest
 
 __all__ = [
-    "CLUSTER_SCHEMES", "SENTINEL_SCHEME", "STANDALONE_SCHEMES", "TRANSPORT_OPTIONS", "RedisTarget",
-    "build_client", "is_cluster", "redacted_url", "redis_database", "target_from_settings",
+    "BLOCKING", "CLUSTER_SCHEMES", "SENTINEL_SCHEME", "STANDALONE_SCHEMES", "TRANSPORT_OPTIONS",
+    "ClientClasses", "RedisTarget", "build_client", "is_cluster", "redacted_url", "redis_database",
+    "target_from_settings",
 ]
 
 STANDALONE_SCHEMES = ("redis", "rediss", "unix")
@@ -248,9 +249,23 @@ def _tls_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def build_client(target: RedisTarget, common: Mapping[str, Any]) -> Any:
-    """A new client for ``target``. ``common``: the connection options the library wants on every
-    client (timeouts, the retry policy); transport options override the timeouts."""
+@dataclass(frozen=True)
+class ClientClasses:
+    """The redis-py classes a client is made of: blocking (:data:`BLOCKING`) or ``redis.asyncio``'s,
+    which mirror them, so one :func:`build_client` reads the settings for both."""
+
+    redis: Any
+    sentinel: Any
+    cluster: Any
+    node: Any
+
+
+BLOCKING = ClientClasses(redis=redis.Redis, sentinel=Sentinel, cluster=RedisCluster, node=ClusterNode)
+
+
+def build_client(target: RedisTarget, common: Mapping[str, Any], classes: ClientClasses = BLOCKING) -> Any:
+    """A new client for ``target``, of ``classes``. ``common``: the connection options the library
+    wants on every client (timeouts, the retry policy); transport options override the timeouts."""
     if target.factory is not None:
         client = target.factory()
         if not isinstance(client, (redis.Redis, RedisCluster)):
@@ -263,15 +278,17 @@ def build_client(target: RedisTarget, common: Mapping[str, Any]) -> Any:
                                                             "password") if name in options}}
     scheme = target.scheme
     if scheme == SENTINEL_SCHEME:
-        return _sentinel_client(target.url, options, kwargs)
+        return _sentinel_client(target.url, options, kwargs, classes)
     if scheme in CLUSTER_SCHEMES:
-        return _cluster_client(target.url, options, kwargs)
+        return _cluster_client(target.url, options, kwargs, classes)
     if scheme == "rediss":
         kwargs.update(_tls_kwargs(options))
-    return redis.Redis.from_url(target.url, **kwargs)
+    return classes.redis.from_url(target.url, **kwargs)
 
 
-def _sentinel_client(url: str, options: Mapping[str, Any], kwargs: dict[str, Any]) -> redis.Redis:
+def _sentinel_client(
+    url: str, options: Mapping[str, Any], kwargs: dict[str, Any], classes: ClientClasses
+) -> Any:
     first = urlsplit(url.split(";")[0].strip())
     if first.password is not None:
         kwargs.setdefault("password", unquote(first.password))
@@ -284,15 +301,16 @@ def _sentinel_client(url: str, options: Mapping[str, Any], kwargs: dict[str, Any
     kwargs.update(_tls_kwargs(options))
     if any(name in options for name in _TLS_OPTIONS):
         kwargs["ssl"] = True
-    sentinel = Sentinel(_hosts(url, ";"), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = classes.sentinel(_hosts(url, ";"), sentinel_kwargs=sentinel_kwargs)
     master_kwargs = {name: value for name, value in kwargs.items() if name != "max_connections"}
-    client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
-        str(options["master_name"]), redis_class=redis.Redis, db=_db(url.split(";")[0]), **master_kwargs
+    return sentinel.master_for(
+        str(options["master_name"]), redis_class=classes.redis, db=_db(url.split(";")[0]), **master_kwargs
     )
-    return client
 
 
-def _cluster_client(url: str, options: Mapping[str, Any], kwargs: dict[str, Any]) -> Any:
+def _cluster_client(
+    url: str, options: Mapping[str, Any], kwargs: dict[str, Any], classes: ClientClasses
+) -> Any:
     scheme = urlsplit(url).scheme.lower()
     netloc = url[len(scheme) + 3 :].partition("/")[0]
     auth, _, hosts = netloc.rpartition("@")
@@ -302,11 +320,11 @@ def _cluster_client(url: str, options: Mapping[str, Any], kwargs: dict[str, Any]
             kwargs.setdefault("username", unquote(user))
         if password:
             kwargs.setdefault("password", unquote(password))
-    nodes = [ClusterNode(host, port) for host, port in _hosts(  # type: ignore[no-untyped-call]
+    nodes = [classes.node(host, port) for host, port in _hosts(
         ",".join(f"redis://{host}" for host in hosts.split(",")), ",")]
     if scheme == "rediss+cluster":
         kwargs.update(_tls_kwargs(options), ssl=True)
-    return RedisCluster(startup_nodes=nodes, **kwargs)
+    return classes.cluster(startup_nodes=nodes, **kwargs)
 
 
 def redacted_url(url: str) -> str:

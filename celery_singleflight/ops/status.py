@@ -13,8 +13,10 @@
 A read is one round trip (a pipeline of the server's ``TIME``, the slot's run record and the
 queue's length). Watching replays the run's history stream and then blocks on it with ``XREAD``
 from the last entry seen, so nothing between "read" and "subscribe" is missed; it ends with the
-run. Listing uses ``SCAN`` over the namespace's run records, never ``KEYS`` (see docs/status.md
-for why not an index).
+run. What a watch decides is :func:`watch_steps`, which makes no call itself: the blocking
+:meth:`StatusReader.watch` and the asyncio ``awatch`` (:mod:`.astatus`) answer its requests.
+Listing uses ``SCAN`` over the namespace's run records, never ``KEYS`` (see docs/status.md for
+why not an index).
 
 A key with ``max_concurrency=N`` > 1 has one run record per slot (``run``, ``run1`` ...
 ``run{N-1}``), each with its own history. ``held()`` lists one :class:`KeyStatus` per held slot
@@ -27,33 +29,109 @@ from __future__ import annotations
 import logging
 import re
 import time as mod_time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, NamedTuple
 
 from .. import constants, signals
 from ..config.options import app_options
 from ..errors import LeaseLost
 from ..keys import stored_key
+from ..protocol.reads import Snapshot
 from ..protocol.store import LeaseStore, store_for
 from ..run.settle import Ending, settle
 from ..worker.registry import known_slots
 from .keystatus import KeyStatus, WatchEvent, combine, glob_escape, run_events
 
 __all__ = [
+    "HISTORY",
+    "READ",
+    "Follow",
     "KeyStatus",
     "StatusReader",
     "WatchEvent",
+    "first_held",
     "force_release",
     "held",
     "reader",
+    "slot_run",
     "status",
     "status_all",
+    "statuses",
     "watch",
+    "watch_steps",
 ]
 
 log = logging.getLogger("celery_singleflight.release")
 #: the part of a run record's Redis key: ``run`` (slot 0) or ``run<slot>`` (slot >= 1, no leading 0)
 _RUN_PART = re.compile(r"run(?:[1-9][0-9]*)?")
+
+#: what :func:`watch_steps` asks for: the watched slot's status (a ``KeyStatus`` or None), the
+#: run's whole history stream (its entries), or the entries after a cursor (:class:`Follow`)
+READ, HISTORY = "read", "history"
+
+
+class Follow(NamedTuple):
+    """Ask for the history entries after ``after``, waiting up to ``block`` seconds for one."""
+
+    after: str
+    block: float
+
+
+def slot_run(key: str, slot: int) -> tuple[str, int]:
+    """The (stored key, slot) a read of ``key`` asks for; a negative slot is refused."""
+    if slot < 0:
+        raise ValueError(f"slot must be 0 or more, not {slot}")
+    return stored_key(key), slot
+
+
+def statuses(runs: Sequence[tuple[str, int]], snapshots: Sequence[Snapshot]) -> list[KeyStatus | None]:
+    """The status of each (key, slot) from its snapshot (None where nothing is known)."""
+    return [combine(key, record, now_ms, queued, slot)
+            for (key, slot), (record, queued, now_ms) in zip(runs, snapshots, strict=True)]
+
+
+def first_held(found: Sequence[KeyStatus | None]) -> KeyStatus | None:
+    """What a task's ``status(*args)`` answers from its key's slots (read in slot order): the first
+    held slot, else slot 0 (how its last run ended, or None)."""
+    return next((st for st in found if st is not None and st.held), found[0])
+
+
+def watch_steps(timeout: float | None, poll: float) -> Generator[WatchEvent | str | Follow, Any, None]:
+    """A watch of one slot without I/O: yields :data:`READ`, :data:`HISTORY` or a :class:`Follow`
+    and is sent the answer, or yields the next event (and is sent None). One plan for the blocking
+    and the asyncio watch, so both end on the same conditions with the same last event."""
+    snapshot: KeyStatus | None = yield READ
+    if snapshot is None:
+        return
+    fence = snapshot.fence
+    deadline = None if timeout is None else mod_time.monotonic() + timeout
+    cursor = ["0-0"]
+    for event in run_events((yield HISTORY), fence, cursor):
+        yield event
+        if event.final:
+            return
+    if not snapshot.held:
+        by = {"by": snapshot.released_by} if snapshot.released_by else {}
+        yield WatchEvent(kind="end", state=snapshot.outcome or snapshot.state, fence=fence,
+                         ts=snapshot.ended, fields=by)
+        return
+    while deadline is None or mod_time.monotonic() < deadline:
+        block = poll if deadline is None else max(0.001, min(poll, deadline - mod_time.monotonic()))
+        entries = yield Follow(cursor[0], block)
+        for event in run_events(entries, fence, cursor):
+            yield event
+            if event.final:
+                return
+        if not entries:
+            now: KeyStatus | None = yield READ
+            if now is None or not now.held or now.fence != fence:
+                # ended without a history entry (it never reported progress, or expired)
+                ended = now if now is not None and now.fence == fence else None
+                state = ended.outcome or ended.state if ended is not None else "expired"
+                by = {"by": ended.released_by} if ended is not None and ended.released_by else {}
+                yield WatchEvent(kind="end", state=state, fence=fence, fields=by,
+                                 ts=ended.ended if ended is not None else mod_time.time())
+                return
 
 
 class StatusReader:
@@ -90,9 +168,7 @@ class StatusReader:
 
     def _read_many(self, runs: list[tuple[str, int]]) -> list[KeyStatus | None]:
         """The status of each (key, slot), pipelined in batches (one round trip per batch)."""
-        snapshots = self.store.reads.snapshots(runs)
-        return [combine(key, record, now_ms, queued, slot)
-                for (key, slot), (record, queued, now_ms) in zip(runs, snapshots, strict=True)]
+        return statuses(runs, self.store.reads.snapshots(runs))
 
     def read(self, key: str, slot: int = 0) -> KeyStatus | None:
         """The status of ``key`` in one round trip; None if nothing is known about it.
@@ -100,9 +176,13 @@ class StatusReader:
         Reads slot 0, the only one of a key with ``max_concurrency=1``; ``slot`` reads another
         slot of a ``max_concurrency`` > 1 key (see :meth:`read_all` for every held one).
         """
-        if slot < 0:
-            raise ValueError(f"slot must be 0 or more, not {slot}")
-        return self._read_many([(stored_key(key), slot)])[0]
+        return self._read_many([slot_run(key, slot)])[0]
+
+    def read_first(self, key: str, slots: int) -> KeyStatus | None:
+        """The first held of the ``slots`` slots of ``key``, else its slot 0, in one round trip
+        (what ``task.status(*args)`` answers)."""
+        key = stored_key(key)
+        return first_held(self._read_many([(key, slot) for slot in range(max(1, slots))]))
 
     def read_all(self, key: str, slots: int | None = None, count: int = 1000) -> list[KeyStatus]:
         """The status of every held slot of ``key``, by slot; empty if no slot is held.
@@ -143,39 +223,23 @@ class StatusReader:
         of slot 0, or of ``slot`` for a ``max_concurrency`` > 1 key (one run per watch). Stops
         after ``timeout`` seconds if given. Yields nothing if nothing is known about the key.
         """
-        key = stored_key(key)
-        snapshot = self.read(key, slot)
-        if snapshot is None:
-            return
-        fence = snapshot.fence
-        deadline = None if timeout is None else mod_time.monotonic() + timeout
-        cursor = ["0-0"]
-        for event in run_events(self.store.reads.history(key, slot), fence, cursor):
-            yield event
-            if event.final:
+        key, slot = slot_run(key, slot)
+        steps = watch_steps(timeout, poll)
+        answer: Any = None
+        while True:
+            try:
+                step = steps.send(answer)
+            except StopIteration:
                 return
-        if not snapshot.held:
-            by = {"by": snapshot.released_by} if snapshot.released_by else {}
-            yield WatchEvent(kind="end", state=snapshot.outcome or snapshot.state, fence=fence,
-                             ts=snapshot.ended, fields=by)
-            return
-        while deadline is None or mod_time.monotonic() < deadline:
-            block = poll if deadline is None else max(0.001, min(poll, deadline - mod_time.monotonic()))
-            entries = self.store.reads.follow(key, slot, cursor[0], block)
-            for event in run_events(entries, fence, cursor):
-                yield event
-                if event.final:
-                    return
-            if not entries:
-                now = self.read(key, slot)
-                if now is None or not now.held or now.fence != fence:
-                    # ended without a history entry (it never reported progress, or expired)
-                    ended = now if now is not None and now.fence == fence else None
-                    state = ended.outcome or ended.state if ended is not None else "expired"
-                    by = {"by": ended.released_by} if ended is not None and ended.released_by else {}
-                    yield WatchEvent(kind="end", state=state, fence=fence, fields=by,
-                                     ts=ended.ended if ended is not None else mod_time.time())
-                    return
+            if isinstance(step, WatchEvent):
+                yield step
+                answer = None
+            elif isinstance(step, Follow):
+                answer = self.store.reads.follow(key, slot, step.after, step.block)
+            elif step == HISTORY:
+                answer = self.store.reads.history(key, slot)
+            else:
+                answer = self.read(key, slot)
 
     def force_release(self, key: str, by: str, expected_holder: str = "", slot: int = 0,
                       slots: int | None = None, ttl: float = 30.0) -> str | None:
