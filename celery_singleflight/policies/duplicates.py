@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 import redis
 from celery.exceptions import Ignore
 
-from .. import constants, signals
+from .. import constants, signals, tracing
 from ..config.option import Derived, Option, OptionGroup, Resolving, count, flag, seconds
 from ..errors import ConfigurationError, KeyPaused, LockHeld, QueueFull
 from ..protocol.controls import Paused
@@ -36,7 +36,7 @@ from ..protocol.replies import Held, Parked
 from ..run.delay import resend_delayed
 from ..run.guard import Guard
 from ..run.journal import journal_waiting
-from ..run.messages import HEADER_HANDOFF, header, message_of, wait_state
+from ..run.messages import HEADER_HANDOFF, HEADER_PARKED_AT, header, message_of, wait_state
 from ..run.stage import AGAIN, Run, Stage
 from ..states import JOINED, QUEUED
 
@@ -152,6 +152,7 @@ class Duplicate:
             sender=task.name, key=self.key, task_id=self.task_id, holder=held.holder, ttl_left=held.ttl_left,
             policy=self.policy, outcome=outcome, detail=detail,
         )
+        tracing.decided(self.policy, outcome)  # on the decision's span, when traced
         try:
             self.guard.store.marks.note_duplicate(self.key, self.task_id, outcome)
         except redis.RedisError as exc:
@@ -170,9 +171,9 @@ class Duplicate:
         if not (task.request.ignore_result or task.ignore_result):
             task.backend.store_result(self.task_id, meta, state)
 
-    def message(self, handoff: str) -> str:
+    def message(self, handoff: str, **headers: Any) -> str:
         """The run's own message, re-sendable, carrying the ``handoff`` token it waits with."""
-        return message_of(self.task, self.args, self.kwargs, **{HEADER_HANDOFF: handoff})
+        return message_of(self.task, self.args, self.kwargs, **{HEADER_HANDOFF: handoff, **headers})
 
 
 def refuse(dup: Duplicate) -> Any:
@@ -223,7 +224,7 @@ def park(dup: Duplicate) -> Any:
     held = dup.held
     handoff = uuid.uuid4().hex
     dup.store_state(QUEUED, {"key": dup.key, "holder": held.holder})
-    message = dup.message(handoff)
+    message = dup.message(handoff, **{HEADER_PARKED_AT: mod_time.time()})  # random already: the token
     parked = dup.guard.store.handoff.park(dup.key, dup.task_id, handoff, message, opts.max_queued,
                                           opts.max_concurrency)
     if parked is None:
@@ -310,6 +311,8 @@ class DuplicatePolicies(Stage):
     POLICIES: dict[str, Callable[[Duplicate], Any]] = {
         "raise": refuse, "skip": skip, "retry": retry_later, "queue": park, "join": join,
     }
+    outcomes = {"raise": ("raised",), "skip": ("skipped",), "retry": ("retry", "raised"),
+                "queue": ("queued", "queue-full"), "join": ("joined",)}
 
     @classmethod
     def build(cls, task_cls: type, opts: Any, defined: Any) -> Stage | None:

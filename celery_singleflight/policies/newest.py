@@ -180,6 +180,7 @@ class Newest(Stage):
     throws = (Superseded,)
     #: the ``on_duplicate`` policies of this stage
     POLICY_NAMES = _POLICIES
+    outcomes = {"coalesce": ("coalesced", "queued"), "supersede": ("superseding", "superseded")}
 
     @classmethod
     def build(cls, task_cls: type, opts: Any, defined: Any) -> Stage | None:

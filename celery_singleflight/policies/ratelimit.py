@@ -35,6 +35,7 @@ from celery.exceptions import Ignore
 from .. import constants
 from ..config.option import Option, OptionGroup, anything
 from ..errors import ConfigurationError, Throttled
+from ..metrics import record as metrics
 from ..protocol.store import LeaseStore
 from ..protocol.timing import ACL_COMMANDS
 from ..run.delay import delay_again
@@ -156,6 +157,8 @@ def admit(task: Any, store: LeaseStore, key: str, rate: Rate, args: tuple[Any, .
     if slot.wait <= 0:
         return slot
     meta = Throttled(key, rate.text, round(slot.planned, 6), round(slot.wait, 6))
+    metrics.count("rate_limited", task.name)
+    metrics.observe("rate_limit_delay_seconds", slot.wait, task.name)
     log.info("%s[%s] key=%r over key_rate_limit=%s: re-sent to start in %.3fs", task.name, task_id, key,
              rate.text, slot.wait)
     # the state first: once sent, the run may start and store its own result at any moment

@@ -245,6 +245,8 @@ TEMPLATES: dict[str, Template] = {
     # TOKEN_FIELD(token), DEADLINE_FIELD(ms): one member, as RENEW finds and rewrites it in any record
     "TOKEN_FIELD": _text(("token",), opening="", after=""),
     "DEADLINE_FIELD": _text(("deadline",), opening="", after=""),
+    # TRACE_FIELD(traceparent): the holder's trace context, after its fields (a traced run only)
+    "TRACE_FIELD": _text(("trace",), opening=",", after=""),
 }
 
 #: the constants the lease scripts read a record's text with

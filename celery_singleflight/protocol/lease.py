@@ -81,7 +81,8 @@ LUA: dict[str, int | str] = {**constants.LUA_CONSTANTS, **PATTERNS, **NEWEST_PAT
 class AcquireReply(Replies):
     """ACQUIRE's answers besides ``'fence:since ms:slot'`` (the key is this run's)."""
 
-    HELD = 0, "{HELD, holder task id, lease ms left}: every slot is held (the holder whose lease ends first)"
+    HELD = 0, ("{HELD, holder task id, lease ms left, its trace context or ''}: every slot is held (the"
+               " holder whose lease ends first)")
     HANDED_ON = 2, ("{HANDED_ON, its task id, reservation ms, message, dead task id, its worker, its task"
                     " name}: a slot was free but handed to the first parked run, whose message the caller"
                     " sends (and whose dead holder's run it ends, if any)")
@@ -217,7 +218,7 @@ class LeaseCalls(Feature):
 
     def acquire(
         self, key: str, token: str, ttl: float, holder: Holder, *, handoff: str = "", earlier: str = "",
-        slots: int = 1,
+        slots: int = 1, trace: str = "",
     ) -> Acquired | Held:
         """Take a free slot of the key, or learn who holds it and for how long.
 
@@ -225,7 +226,9 @@ class LeaseCalls(Feature):
         A run that was never parked does not jump the queue: if runs are parked on a free key,
         the first of them gets it (:attr:`Held.handoff`). ``earlier``: the token of an earlier
         attempt of this run whose reply never came; if that attempt got the key, this one takes
-        it over. Raises :class:`ProtocolMismatch` for a record of another protocol version, and
+        it over. ``trace``: the run's trace context (a W3C traceparent; '' when it is not traced),
+        kept in its record for the spans of its duplicates (:attr:`Held.trace`). Raises
+        :class:`ProtocolMismatch` for a record of another protocol version, and
         :class:`ReplicasUnavailable` for a grant too few replicas confirmed (:meth:`wait_for_replicas`).
         """
         ttl_ms = ms(ttl)
@@ -234,10 +237,11 @@ class LeaseCalls(Feature):
                 f"\x1f{holder.task_id}\x1f{slots}")
         namespace = self.ctx.layout.namespace
         slots = slots_for(namespace, key, slots)
+        args = [call, holder.fields, trace] if trace else [call, holder.fields]
         while True:
             names = self._names(key, slots)
             reply = self._acquire(keys=[*names.runs, names.queue, names.parked, names.enqueued, names.adopted,
-                                        names.paused, names.limits], args=[call, holder.fields])
+                                        names.paused, names.limits], args=args)
             if not isinstance(reply, list):  # acquired: one string, 'fence:since:slot'
                 fence, since, slot = text(reply).split(":", 2)
                 return Acquired(fence=int(fence), since=int(since) / 1000.0, slot=int(slot))
@@ -254,8 +258,9 @@ class LeaseCalls(Feature):
             return Paused(holder="", ttl_left=-1.0 if left < 0 else left / 1000.0)
         message = (text(reply[3]) or None) if code == AcquireReply.HANDED_ON else None
         dead = DeadHolder(*texts(reply[4:7])) if message and len(reply) >= 7 and text(reply[4]) else None
+        linked = text(reply[3]) if code == AcquireReply.HELD and len(reply) > 3 else ""
         return Held(holder=text(reply[1]), ttl_left=max(0, int(reply[2])) / 1000.0, handoff=message,
-                    dead=dead)
+                    dead=dead, trace=linked)
 
     def renew(self, leases: Sequence[RenewedLease]) -> list[int]:
         """Renew any number of leases in one round trip: per lease a code, :class:`RenewReply`

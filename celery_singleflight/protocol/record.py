@@ -82,6 +82,9 @@ class LeaseFields(RecordBase):
                  readers=("COALESCE", "FORCE_RELEASE", "ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id (and its process's inbox)", writers=("ACQUIRE",),
                 readers=("COALESCE", "FORCE_RELEASE", "ops.keystatus", "worker.bootstep"))
+    trace = Field(TEXT, "the holder's trace context (a W3C traceparent), which ACQUIRE answers its"
+                  " duplicates with, for their spans' links; absent when the run is not traced",
+                  writers=("ACQUIRE",), readers=())
     rt = Field(TEXT, "the token of the release that ended the last run: its replay finds it and answers"
                " as before", writers=_RECORD_WRITERS, readers=("worker.bootstep", "worker.sweeper"))
     lost = Field(TEXT, "the fences of recent runs whose lease ran out unreleased: a late release learns"

@@ -83,6 +83,8 @@ class Held:
 
     ``handoff`` is set when the key was free but runs were parked: the first of them got the key
     and its message (this) must be sent to the broker; :func:`~..run.settle.settle` does it.
+    ``trace`` is the holder's trace context (a W3C traceparent, '' when it is not traced): a
+    duplicate's span links to it.
     """
 
     holder: str
@@ -90,6 +92,7 @@ class Held:
     handoff: str | None = None
     copy: bool = False  # another copy of a parked run's message, whose run took its slot before
     dead: DeadHolder | None = None  # with ``handoff``: the run that died holding the slot handed on
+    trace: str = ""
     acquired = False
 
 

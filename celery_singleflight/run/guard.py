@@ -10,7 +10,8 @@
     guard.end("succeeded", result=value)   # flush progress, release, settle (always, once)
 
 What a release hands back (a parked run to send, joined runs to answer) is carried out by
-:func:`~.settle.settle`, the same function every other release path calls.
+:func:`~.settle.settle`, the same function every other release path calls. The take and the
+release are spans when the run is traced (:mod:`..tracing`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from typing import Any
 
 import redis
 
-from .. import constants, signals
+from .. import constants, signals, tracing
 from ..config.core import CoreOptions
 from ..connection.clients import last_attempt_sent
 from ..errors import LeaseLost, NotInsideRun, RetryAfter
+from ..metrics import hooks as metric_hooks
+from ..metrics import record as metrics
 from ..protocol.replies import Acquired, Held, Holder, Settlement
 from ..protocol.store import LeaseStore, store_for
 from .heartbeat import Heartbeat, heartbeat_for
@@ -74,12 +77,13 @@ class Guard:
     ``sender``: the name on signals and logs (the task name, or ``hold``). ``clear_marker``: the
     run's task dedups at enqueue, so its release clears the enqueue marker of its task id.
     ``computes_result=False`` (a hold): runs that joined it are sent to run themselves at its end.
+    ``request``: the run's task request (for the metrics: whether the run waited).
     """
 
     def __init__(
         self, app: Any, key: str, options: CoreOptions, holder: Holder, *, sender: str,
         clear_marker: bool = False, on_progress: ProgressHook | None = None, store: LeaseStore | None = None,
-        computes_result: bool = True,
+        computes_result: bool = True, request: Any = None,
     ) -> None:
         self.app = app
         self.key = key
@@ -89,6 +93,7 @@ class Guard:
         self.clear_marker = clear_marker
         self.on_progress = on_progress
         self.computes_result = computes_result
+        self.request = request  # the task's request (None for a hold): its headers say if it waited
         self.store = store or options_store(options)
         self.token = os.urandom(16).hex()  # unique to this execution
         self.lease: Lease | None = None
@@ -101,21 +106,25 @@ class Guard:
         """One round trip: the key, or who holds it. If the key was free but handed to the first
         parked run, that run's message is sent here (the result is then :class:`Held`)."""
         opts = self.options
-        asked = mod_time.monotonic()
-        got = self.store.acquire(self.key, self.token, opts.ttl, self.holder, handoff=handoff,
-                                 earlier=earlier, slots=opts.max_concurrency)
-        # the lease counts from the send of the attempt that answered (a lost reply is sent again,
-        # and the second run renews the lease: see protocol/lua/lease/acquire.lua)
-        self._asked = last_attempt_sent(asked)
-        if isinstance(got, Held) and got.handoff is not None:
-            # the next take is a call of its own: with this token, ACQUIRE would read it as this
-            # one sent again and answer the same hand-on (the message sent twice, a free slot unseen)
-            self.token = os.urandom(16).hex()
-            settle(self.app, Settlement(True, got.handoff),
-                   Ending(self.key, self.sender, self.holder.task_id, "handed-on", signal=False))
-            if got.dead is not None:  # the slot's holder died with runs parked behind it
-                dead = got.dead
-                end_dead_holder(self.app, self.key, dead.task_id, dead.worker, dead.task_name)
+        with tracing.acquire(opts, self.key) as span:  # None unless traced
+            asked = mod_time.monotonic()
+            got = self.store.acquire(self.key, self.token, opts.ttl, self.holder, handoff=handoff,
+                                     earlier=earlier, slots=opts.max_concurrency,
+                                     trace=span.holder_context if span is not None else "")
+            # the lease counts from the send of the attempt that answered (a lost reply is sent
+            # again, and the second run renews the lease: see protocol/lua/lease/acquire.lua)
+            self._asked = last_attempt_sent(asked)
+            if span is not None:
+                span.took(got)
+            if isinstance(got, Held) and got.handoff is not None:
+                # the next take is a call of its own: with this token, ACQUIRE would read it as this
+                # one sent again and answer the same hand-on (the message sent twice, a free slot unseen)
+                self.token = os.urandom(16).hex()
+                settle(self.app, Settlement(True, got.handoff),
+                       Ending(self.key, self.sender, self.holder.task_id, "handed-on", signal=False))
+                if got.dead is not None:  # the slot's holder died with runs parked behind it
+                    dead = got.dead
+                    end_dead_holder(self.app, self.key, dead.task_id, dead.worker, dead.task_name)
         return got
 
     def begin(self, got: Acquired, *, announce: bool = True) -> Lease:
@@ -138,6 +147,8 @@ class Guard:
             log_acquire.debug("acquired key=%r %s[%s] fence=%s", self.key, self.sender, lease.task_id,
                               lease.fence)
             signals.lease_acquired.send(sender=self.sender, lease=lease)
+            if metrics.recording():
+                metric_hooks.acquired(self.sender, self.request)
         return lease
 
     def retry_not_sent(self) -> None:
@@ -240,23 +251,29 @@ class Guard:
         if lease.lost_known:
             outcome = "lost"
         opts = self.options
-        try:
-            settlement = self.store.release(
-                self.key, lease.token, outcome, opts.ttl, fence=lease.fence, slot=lease.slot,
-                slots=opts.max_concurrency, answer_joined=answer_joined,
-                # a run that ends to retry keeps its enqueue marker: the retry keeps its task id
-                clear_marker=self.clear_marker and outcome != "retried",
-                task_id=lease.task_id, retry_after=self._retry_after(outcome, lease, error),
-            )
-        except redis.RedisError as exc:
-            log_release.warning(
-                "could not release key=%r %s[%s]; it frees when its lease expires in %.1fs: %s",
-                self.key, self.sender, lease.task_id, lease.time_left or opts.ttl, exc,
-            )
-            return None
-        if not settlement:
-            lease.mark_lost("the lease was gone when the run ended", at_release=True)
-            outcome = "lost"
-        settle(self.app, settlement, Ending(self.key, self.sender, lease.task_id, outcome, result=result,
-                                            error=error, lease=lease, rerun_joined=not self.computes_result))
+        with tracing.release(opts, self.key) as span:  # None unless traced
+            try:
+                settlement = self.store.release(
+                    self.key, lease.token, outcome, opts.ttl, fence=lease.fence, slot=lease.slot,
+                    slots=opts.max_concurrency, answer_joined=answer_joined,
+                    # a run that ends to retry keeps its enqueue marker: the retry keeps its task id
+                    clear_marker=self.clear_marker and outcome != "retried",
+                    task_id=lease.task_id, retry_after=self._retry_after(outcome, lease, error),
+                )
+            except redis.RedisError as exc:
+                log_release.warning(
+                    "could not release key=%r %s[%s]; it frees when its lease expires in %.1fs: %s",
+                    self.key, self.sender, lease.task_id, lease.time_left or opts.ttl, exc,
+                )
+                if span is not None:
+                    span.failed(exc)
+                return None
+            if not settlement:
+                lease.mark_lost("the lease was gone when the run ended", at_release=True)
+                outcome = "lost"
+            if span is not None:
+                span.released(outcome, lease.fence, settlement)
+            settle(self.app, settlement, Ending(self.key, self.sender, lease.task_id, outcome, result=result,
+                                                error=error, lease=lease,
+                                                rerun_joined=not self.computes_result))
         return settlement

@@ -21,6 +21,7 @@ import redis
 
 from .. import constants
 from ..connection.clients import last_attempt_sent
+from ..metrics import record as metrics
 from ..protocol.lease import RenewReply
 from ..protocol.replicas import renew_confirmed
 from ..protocol.store import LeaseStore
@@ -183,6 +184,8 @@ class Heartbeat:
             return min(constants.HEARTBEAT_ERROR_RETRY, self._tick)
         finally:
             self.rounds += 1
+            metrics.count("renewal_round_trips")
+        metrics.count("renewals", amount=len(leases))
         sent = last_attempt_sent(sent)  # a renewal sent again after a lost reply renews from then
         for lease, code, counts in zip(leases, results, confirmed, strict=True):
             lease.renewed(code, sent if counts else lease.confirmed_at)

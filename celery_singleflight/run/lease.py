@@ -18,6 +18,7 @@ import redis
 
 from .. import constants, signals
 from ..errors import LeaseLost, Superseded
+from ..metrics import record as metrics
 from ..protocol.inbox import RELEASED, Told
 from ..protocol.layout import Layout
 from ..protocol.lease import ProgressReply, RenewReply
@@ -56,6 +57,8 @@ class Lease:
     lost_reason: str = ""
     released: bool = False
     confirmed_at: float = field(default_factory=mod_time.monotonic)
+    #: when this process took the lease (monotonic): the hold time's start
+    taken_at: float = field(default_factory=mod_time.monotonic)
     slot: int = 0
     #: a newer run superseded this one (``on_duplicate="supersede"``): stop; ``check()`` raises
     superseded: bool = False
@@ -143,6 +146,7 @@ class Lease:
         self._stop_waiters()
         log_renew.warning("lease superseded: key=%r task=%s[%s] fence=%s by %s", self.key, self.task_name,
                           self.task_id, self.fence, by)
+        metrics.count("leases_taken_over", self.task_name)
         signals.lease_superseded.send(sender=self.task_name, lease=self, by=by)
 
     def write_progress(self, update: ProgressUpdate) -> dict[str, Any]:

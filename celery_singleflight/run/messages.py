@@ -16,6 +16,8 @@ own ``max_retries``) and carries the library's headers:
   Redis, :mod:`..protocol.delayed`): the run claims it when it starts, so one copy runs;
 - :data:`HEADER_FAIR_WAITED`: when a run parked at its fair gate (epoch seconds): it waited, and
   ``queue_timeout`` bounds that wait;
+- :data:`HEADER_PARKED_AT`, :data:`HEADER_HANDED`: when a ``queue`` run parked, and when a
+  release sent it on (epoch seconds): its wait and the hand-off's latency, for the metrics;
 - :data:`HEADER_REJOIN`: put on a joined run that is sent to run itself (the run it joined was a
   ``hold()``, which has no result), so that if it joins again, its message differs from the one
   the hold's release took (a re-sent JOIN finds that one, and answers as its first run did).
@@ -37,7 +39,9 @@ __all__ = [
     "HEADER_EARLIER",
     "HEADER_FAIR_WAITED",
     "HEADER_FIRST_SEEN",
+    "HEADER_HANDED",
     "HEADER_HANDOFF",
+    "HEADER_PARKED_AT",
     "HEADER_REJOIN",
     "HEADER_SENT",
     "HEADER_SEQ",
@@ -58,6 +62,8 @@ HEADER_SEQ = "singleflight_seq"
 HEADER_REJOIN = "singleflight_rejoin"
 HEADER_DELAYED = "singleflight_delayed"
 HEADER_FAIR_WAITED = "singleflight_fair_waited"
+HEADER_PARKED_AT = "singleflight_parked_at"
+HEADER_HANDED = "singleflight_handed"
 
 
 def header(request: Any, name: str) -> Any:

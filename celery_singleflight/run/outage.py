@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import signals
 from ..errors import ProtocolMismatch, RedisUnavailable
+from ..metrics import record as metrics
 from .messages import HEADER_EARLIER, HEADER_HANDOFF, resend, wait_state
 
 __all__ = ["counters", "redis_unavailable", "refuse_foreign"]
@@ -43,6 +44,7 @@ def redis_unavailable(task: Any, key: str, exc: Exception, args: tuple[Any, ...]
     token would read as "this run took its slot before", and the copy would be dropped)."""
     opts = task.options
     request = task.request
+    metrics.count("redis_unavailable", task.name, opts.on_redis_error)
     if opts.on_redis_error == "fail_open":
         log_acquire.warning(
             "Redis cannot guard key=%r now (%s); running %s[%s] UNGUARDED (fail_open)",

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 from celery.exceptions import Ignore, Reject, Retry
 
-from .. import constants
+from .. import constants, tracing
 from ..connection.clients import is_unavailable
 from ..errors import LockHeld, ProtocolMismatch
 from ..protocol.replies import Acquired, Holder
@@ -99,7 +99,7 @@ class Pipeline:
         task, request, opts = run.task, run.request, run.options
         holder = Holder(run.task_id, request.hostname or "", task.name)
         guard = run.guard = Guard(task.app, run.key, opts, holder, sender=task.name,
-                                  clear_marker=self.clears_marker)
+                                  clear_marker=self.clears_marker, request=request)
         try:
             ended = self._before_lease(run)
             if ended is not None:
@@ -197,10 +197,14 @@ class Pipeline:
                 log_duplicate.info("%s[%s] stays parked on key=%r behind %s", run.task.name, run.task_id,
                                    run.key, got.holder)
                 raise Ignore()
-            for stage in self.hooks["on_duplicate"]:
-                decided = stage.on_duplicate(run, got)
-                if decided is not AGAIN:
-                    return Ended(decided)
+            # the decision's span links to the holder's (its trace context came with ``got``)
+            with tracing.duplicate(run.options, run.key, got, self.throws) as span:
+                for stage in self.hooks["on_duplicate"]:
+                    decided = stage.on_duplicate(run, got)
+                    if decided is not AGAIN:
+                        return Ended(decided)
+                if span is not None:
+                    span.outcome("again")  # the key was free meanwhile: take it again
         raise LockHeld(run.key, None, None)
 
     def _skip(self, run: Run, ending: Stage) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time as mod_time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +28,11 @@ from celery.canvas import Signature
 
 from .. import signals
 from ..errors import LeaseLost
+from ..metrics import hooks as metric_hooks
+from ..metrics import record as metrics
 from ..protocol.replies import Settlement
 from .events import send_task_event
-from .messages import rejoined
+from .messages import HEADER_HANDED, rejoined
 
 __all__ = ["NO_RESULT", "Ending", "answer_joined", "send_parked", "settle"]
 
@@ -88,12 +91,17 @@ def settle(app: Any, settlement: Settlement, ending: Ending) -> None:
         log_release.debug("released key=%r %s[%s] (%s)", ending.key, ending.sender, ending.holder,
                           ending.outcome)
         signals.lease_released.send(sender=ending.sender, lease=ending.lease, reason=ending.outcome)
+        if metrics.recording():
+            metric_hooks.released(ending.sender, ending.lease)
 
 
 def send_parked(app: Any, message: str, key: str) -> None:
     """Send the message of a parked run that was just handed ``key``."""
     try:
-        Signature.from_dict(json.loads(message), app=app).apply_async()
+        data = json.loads(message)
+        options = data.setdefault("options", {})
+        options["headers"] = {**(options.get("headers") or {}), HEADER_HANDED: mod_time.time()}
+        Signature.from_dict(data, app=app).apply_async()
     except Exception as exc:  # noqa: BLE001 - the reservation runs out and the sweeper hands it on again
         log_queue.error("could not send the next parked run for key=%r (it is handed on again once its"
                         " reservation runs out): %s", key, exc)

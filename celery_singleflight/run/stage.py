@@ -143,6 +143,9 @@ class Stage:
     #: errors a run of the feature ends with that are expected (Celery logs them at INFO, without
     #: a traceback: the task's ``throws``)
     throws: ClassVar[tuple[type[BaseException], ...]] = ()
+    #: for each ``on_duplicate`` policy of the stage, the ``duplicate`` outcomes it reports (a
+    #: worker with metrics on makes their series at 0 when it starts)
+    outcomes: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
     def define(cls, task_cls: type, signature: Any, name: str) -> Any:

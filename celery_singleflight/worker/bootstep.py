@@ -10,6 +10,8 @@ runs it) and connects two receivers once per process; ``base=SingleFlightTask`` 
   in ``app.conf``), check the app as a whole (``join`` needs a result backend) and run the start
   checks against each lease Redis (:mod:`.preflight`).
   A refusal stops the worker with one sentence.
+- **Metrics** (``singleflight_metrics``): counting starts in the main process before the pool
+  forks, so that every pool process counts into the same directory (:mod:`..metrics`).
 - **Each process that runs tasks** (a prefork child as it starts, or the main process of a solo
   or threads pool) starts its inbox listener at once (:mod:`..run.inbox`).
 - **Running**: the queue sweeper thread (:mod:`.sweeper`), with the copies of delayed runs
@@ -41,6 +43,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeLimitExceeded
 
 from ..errors import ConfigurationError, LeaseLost, SingleFlightError
+from ..metrics.exporter import start_worker_metrics
 from ..policies.fair import FairShare
 from ..run.events import send_task_event, set_worker_sends_task_events
 from ..run.guard import options_store
@@ -124,6 +127,7 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
             check_pool(getattr(parent, "pool_cls", None))
             check_worker_app(app)
             run_at_worker_start(app, parent)  # raises only for a refusal (ConfigurationError)
+            start_worker_metrics(app)  # before the pool forks: its processes count too
         except ConfigurationError as exc:
             logging.getLogger("celery_singleflight").critical("%s", exc)
             raise SystemExit(f"celery_singleflight: {exc}") from exc

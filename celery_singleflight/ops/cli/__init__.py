@@ -14,6 +14,7 @@ the app's own configuration::
     celery -A proj singleflight resume KEY                      end the pause; parked runs go on
     celery -A proj singleflight limit KEY [--concurrency N] [--rate R] | --clear
                                                                 override KEY's limits until cleared
+    celery -A proj singleflight metrics [--port 9808] [--dir D]  serve Prometheus metrics
 
 KEY is the rendered key as ``ls`` prints it: ``job:a`` for ``lock_key="job:<name>"`` called with
 ``name="a"`` (a string that is not a plain name keeps its JSON quotes: ``'job:"a b"'``). With
@@ -67,6 +68,7 @@ from .format import (
     time_lines,
     when,
 )
+from .metrics import metrics_command
 from .plumbing import (
     EXIT_AMBIGUOUS,
     EXIT_CONFIG,
@@ -80,6 +82,7 @@ from .plumbing import (
 singleflight.add_command(pause_command)
 singleflight.add_command(resume_command)
 singleflight.add_command(limit_command)
+singleflight.add_command(metrics_command)
 
 __all__ = [
     "EXIT_AMBIGUOUS",

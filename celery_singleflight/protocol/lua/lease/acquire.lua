@@ -47,12 +47,12 @@ if want > n then
   return {MORE_SLOTS, want} -- its limits were raised: every slot that may hold a run must be named
 end
 if not slot then
-  local holder, left, pause = nil, nil, paused_left(paused, now)
+  local holder, left, held_at, pause = nil, nil, nil, paused_left(paused, now)
   if pause then
     return {PAUSED, pause} -- no grant while paused (a reservation made before is adopted above)
   end
   waiting = waiting or (paused and redis.call('LLEN', queue) > 0) -- a pause just over: parked runs first
-  slot, holder, left = scan(recs, n, now)
+  slot, holder, left, held_at = scan(recs, n, now)
   if slot and not below_limit(limits, tonumber(own), recs, n, now) then
     slot = nil -- its concurrency, set at run time (or the task's, on more slots the limits named)
   end
@@ -60,12 +60,13 @@ if not slot then
     -- a task id already running on one slot (a redelivery) must not take another
     for i = 1, n do
       if live(recs[i], now) and recs[i].task_id == id then
-        return {HELD, id, tonumber(recs[i].deadline) - now}
+        return {HELD, id, tonumber(recs[i].deadline) - now, recs[i].trace or ''}
       end
     end
   end
   if not slot then
-    return {HELD, holder, left}
+    -- the holder's trace context ('' if it was not traced): the duplicate's span links to it
+    return {HELD, holder, left, held_at and recs[held_at].trace or ''}
   end
   if waiting then
     local mine = handoff ~= '' and id .. '|' .. handoff
@@ -100,14 +101,14 @@ if waiting then
 end
 local since, deadline = num(now), num(now + ttl)
 -- The lease fields first, in the order of RUNNING_RECORD, then ``rt`` and ``lost`` if set, then
--- the holder (its task id first). A plain run's record (nobody joined or waiting, not
--- superseded) opens with PLAIN: only a record this line wrote (and RENEW kept) has it, and
--- RELEASE may read it as text.
+-- the holder (its task id first) and its trace context. A plain run's record (nobody joined or
+-- waiting, not superseded) opens with PLAIN: only a record this line wrote (and RENEW kept) has
+-- it, and RELEASE may read it as text.
 local open = (prev and prev.joined or carried ~= '' or waiting) and '{' or PLAIN
 local rt = prev and prev.rt and prev.rt ~= '' and RT_FIELD(prev.rt) or ''
 if lost ~= '' then
   rt = rt .. LOST_FIELD(lost)
 end
-redis.call('SET', KEYS[slot], RUNNING_RECORD(open, token, fence, since, deadline) .. rt .. ARGV[2] .. extra ..
-  carried .. '}', 'PX', px)
+redis.call('SET', KEYS[slot], RUNNING_RECORD(open, token, fence, since, deadline) .. rt .. ARGV[2] .. trace ..
+  extra .. carried .. '}', 'PX', px)
 return fence .. ':' .. since .. ':' .. (slot - 1)

@@ -14,10 +14,11 @@
 --           never came ('' if none); then, for the general path only, how long the record
 --           outlives its lease (ms), the holder's task id and the task's max_concurrency
 -- ARGV[2] - the holder's fields, JSON object members without braces
+-- ARGV[3] - the holder's trace context (W3C traceparent); not sent when its run is not traced
 -- return 'fence:since ms:slot' if acquired (one string: the cheapest reply to read; slot counts
 --        from 0), also when this is a second run of the same call;
---        {HELD, holder task id, lease ms left} if every slot is held (the holder whose lease
---        ends first);
+--        {HELD, holder task id, lease ms left, its trace context or ''} if every slot is held
+--        (the holder whose lease ends first);
 --        {HANDED_ON, its task id, reservation ms, message, and the task id, worker and task name of
 --        the run whose lease ran out unreleased on that slot, or ''} if a slot was free but handed
 --        to the first parked run (the caller sends its message, and ends the dead run's);
@@ -26,6 +27,7 @@
 --        {PAUSED, ms left or -1 (until resumed)} if the key is paused (the caller parks the run);
 --        {MORE_SLOTS, slots} if its limits allow more slots than were named (call again so)
 local token, ttl, px, handoff, earlier = string.match(ARGV[1], ACQUIRE_CALL)
+local trace = ARGV[3] and TRACE_FIELD(ARGV[3]) or ''
 local n = #KEYS - 6
 local queue, parked, marker, adopted = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4]
 -- the record, the pause and the limits in one command: the plain path costs no more for them
@@ -54,7 +56,7 @@ if n == 1 and handoff == '' and earlier == '' and not paused and not limits then
     end
     local deadline = string.format('%d', since + ttl)
     redis.call('SET', KEYS[1], PLAIN_RUNNING_RECORD(token, new_fence, since, deadline) .. rt .. ARGV[2] ..
-      extra .. '}', 'PX', px)
+      trace .. extra .. '}', 'PX', px)
     return new_fence .. ':' .. since .. ':0'
   end
 end

@@ -46,9 +46,9 @@ local function expired(r, now)
   return r and r.token and not r.reserved and tonumber(r.deadline) <= now
 end
 -- the slots of a key: the first free one (nil if all are held), and the holder whose lease
--- ends first with its ms left (-1 if none is held)
+-- ends first with its ms left (-1 if none is held) and its slot (nil if none)
 local function scan(recs, n, now)
-  local free, holder, left = nil, '', -1
+  local free, holder, left, held_at = nil, '', -1, nil
   for i = 1, n do
     local r = recs[i]
     if not live(r, now) then
@@ -56,11 +56,11 @@ local function scan(recs, n, now)
     else
       local ms_left = tonumber(r.deadline) - now
       if left < 0 or ms_left < left then
-        holder, left = r.task_id or '', ms_left
+        holder, left, held_at = r.task_id or '', ms_left, i
       end
     end
   end
-  return free, holder, left
+  return free, holder, left, held_at
 end
 -- every slot's record when all are held, and the ms until the first lease runs out; nil
 -- when a slot is free

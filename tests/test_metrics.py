@@ -1,0 +1,293 @@
+"""Prometheus metrics: a real Prometheus server scrapes a real worker's exporter while each
+policy runs, and the counts it stores are the runs and duplicates that happened; a prefork
+worker whose pool processes are replaced after every task loses no count; the gauges read
+from Redis show a held key and its parked runs; the standalone exporter serves the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from celery_singleflight.metrics.catalog import SERIES, markdown_table
+from celery_singleflight.metrics.record import FLUSH_AFTER
+from celery_singleflight.testing import free_port
+
+from .conftest import IN_CI, ROOT, TESTS, wait_for, worker_env
+
+pytestmark = pytest.mark.worker
+PROMETHEUS = shutil.which("prometheus")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The worker's /metrics as {series with labels: value} (comments left out)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def sample(values: dict[str, float], name: str, **labels: str) -> float:
+    """The value of ``name`` whose labels include ``labels`` (0 if no such series)."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    found = [v for series, v in values.items()
+             if series.split("{")[0] == name and all(w in series for w in wanted)]
+    return sum(found)
+
+
+@pytest.fixture
+def metrics_worker(start_worker: Callable[..., Any], tmp_path: Path) -> Callable[..., tuple[Any, int]]:
+    def start(*extra: str, concurrency: int = 4) -> tuple[Any, int]:
+        port = free_port()
+        directory = tmp_path / f"metrics-{port}"
+        worker = start_worker(concurrency=concurrency, extra=extra, env={
+            "SF_TEST_METRICS_PORT": str(port), "SF_TEST_METRICS_DIR": str(directory)})
+        wait_for(lambda: _answers(port), timeout=15)
+        return worker, port
+    return start
+
+
+def _answers(port: int) -> bool:
+    try:
+        scrape(port)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[Callable[[int], Callable[[str], list[dict[str, Any]]]]]:
+    """A real Prometheus server scraping the given port every 0.5 s; yields its query function."""
+    if PROMETHEUS is None:
+        message = "Prometheus is needed (apt-get install prometheus)"
+        if IN_CI:
+            pytest.fail(f"{message} and CI=true")
+        pytest.skip(message)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(target: int) -> Callable[[str], list[dict[str, Any]]]:
+        port = free_port()
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 500ms, evaluation_interval: 500ms}\n"
+            "scrape_configs:\n"
+            f"  - job_name: worker\n    static_configs: [{{targets: ['127.0.0.1:{target}']}}]\n")
+        proc = subprocess.Popen(
+            [str(PROMETHEUS), f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))  # noqa: SIM115
+        procs.append(proc)
+
+        def query(expr: str) -> list[dict[str, Any]]:
+            url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                body = json.loads(reply.read())
+            assert body["status"] == "success", body
+            return list(body["data"]["result"])
+
+        def up() -> bool:
+            try:
+                return any(r["value"][1] == "1" for r in query("up"))
+            except OSError:
+                return False
+        wait_for(up, timeout=30, interval=0.2)
+        return query
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def held(task: Any, *args: Any) -> bool:
+    status = task.status(*args)
+    return status is not None and bool(status.held)
+
+
+def _value(query: Callable[[str], list[dict[str, Any]]], expr: str) -> float:
+    result = query(expr)
+    return sum(float(r["value"][1]) for r in result)
+
+
+def test_prometheus_scrapes_what_each_policy_did(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
+    prometheus: Callable[[int], Callable[[str], list[dict[str, Any]]]],
+) -> None:
+    worker, port = metrics_worker()
+    query = prometheus(port)
+    queue = worker.queue
+    key = uuid.uuid4().hex[:8]
+    # skip: one holder, three duplicates turned away
+    holder = sfapp.hold_skip.apply_async((f"s{key}", 1.5), queue=queue)
+    wait_for(lambda: held(sfapp.hold_skip, f"s{key}"))
+    skipped = [sfapp.hold_skip.apply_async((f"s{key}",), queue=queue) for _ in range(3)]
+    # raise: two duplicates fail with LockHeld
+    raiser = sfapp.hold_raise.apply_async((f"r{key}", 1.5), queue=queue)
+    wait_for(lambda: held(sfapp.hold_raise, f"r{key}"))
+    raised = [sfapp.hold_raise.apply_async((f"r{key}",), queue=queue) for _ in range(2)]
+    # queue: a holder and three parked runs, each handed the key in turn
+    first = sfapp.queued.apply_async((f"q{key}", 0, 1.0), queue=queue)
+    wait_for(lambda: held(sfapp.queued, f"q{key}", 0))
+    parked = [sfapp.queued.apply_async((f"q{key}", n, 0.05), queue=queue) for n in (1, 2, 3)]
+    # join: two runs get the holder's result
+    joined_holder = sfapp.joined.apply_async((f"j{key}", 7, 1.0), queue=queue)
+    wait_for(lambda: held(sfapp.joined, f"j{key}", 7))
+    joins = [sfapp.joined.apply_async((f"j{key}", 8), queue=queue) for _ in range(2)]
+
+    for result in (holder, *skipped, raiser, first, *parked, joined_holder, *joins):
+        result.get(timeout=30, propagate=False)
+    for result in raised:
+        with pytest.raises(Exception, match="held"):
+            result.get(timeout=30)
+
+    # every run has ended: wait for a scrape from after its counts were written (a process
+    # writes what it counted within FLUSH_AFTER)
+    ended = time.time() + FLUSH_AFTER
+    wait_for(lambda: _value(query, "timestamp(up)") > ended + 0.1, timeout=20, interval=0.2)
+    name = "celery_singleflight_duplicates_total"
+    for task, policy, outcome, expected in (
+            ("hold_skip", "skip", "skipped", 3), ("hold_raise", "raise", "raised", 2),
+            ("queued", "queue", "queued", 3), ("joined", "join", "joined", 2)):
+        expr = f'{name}{{task="sfapp.{task}",policy="{policy}",outcome="{outcome}"}}'
+        assert _value(query, expr) == expected, expr
+    # the query the docs give: increase over a minute equals the duplicates sent (the series was
+    # made at 0 when the worker started, so the first duplicate is an increase too)
+    increase = _value(query, f'increase({name}{{task="sfapp.hold_skip",policy="skip"}}[1m])')
+    assert round(increase) == 3, increase
+    acquired = "celery_singleflight_leases_acquired_total"
+    assert _value(query, f'{acquired}{{task="sfapp.queued"}}') == 4
+    assert _value(query, f'{acquired}{{task="sfapp.hold_skip"}}') == 1
+    # the three parked runs waited for the key, and were each handed it by a release
+    for histogram in ("wait_seconds", "handoff_seconds"):
+        expr = f'celery_singleflight_{histogram}_count{{task="sfapp.queued",policy="queue"}}'
+        assert _value(query, expr) == 3, histogram
+    handoff_sum = _value(query, 'celery_singleflight_handoff_seconds_sum{task="sfapp.queued"}')
+    assert 0 < handoff_sum < 3 * 1.0, handoff_sum  # each hand-off well under a second
+    wait_sum = _value(query, 'celery_singleflight_wait_seconds_sum{task="sfapp.queued"}')
+    assert wait_sum >= 0.9, wait_sum  # the first parked run waited for the 1 s holder
+    assert _value(query, 'celery_singleflight_hold_seconds_count{task="sfapp.hold_skip"}') == 1
+    assert _value(query, "celery_singleflight_renewal_round_trips_total") >= 0
+    assert _value(query, "celery_singleflight_redis_up") == 1
+
+
+def test_counts_survive_pool_processes_replaced_after_every_task(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
+) -> None:
+    """``--max-tasks-per-child 1``: each task runs in a new pool process, which exits after it;
+    every lease taken and every duplicate is still counted."""
+    worker, port = metrics_worker("--max-tasks-per-child", "1", concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    results = [sfapp.plain.apply_async((f"{key}-{n}",), queue=worker.queue) for n in range(12)]
+    for result in results:
+        result.get(timeout=30)
+    holder = sfapp.hold_skip.apply_async((f"s{key}", 3.0), queue=worker.queue)
+    wait_for(lambda: held(sfapp.hold_skip, f"s{key}"))
+    skipped = sfapp.hold_skip.apply_async((f"s{key}",), queue=worker.queue)
+    skipped.get(timeout=30)
+    holder.get(timeout=30)
+    # each pool process writes its counts as it exits (its timer thread dies with it): none lost
+    def all_counted() -> bool:
+        values = scrape(port)
+        return (sample(values, "celery_singleflight_leases_acquired_total", task="sfapp.plain") == 12
+                and sample(values, "celery_singleflight_duplicates_total", task="sfapp.hold_skip",
+                           outcome="skipped") == 1)
+    wait_for(all_counted, timeout=FLUSH_AFTER + 5)
+    values = scrape(port)
+    assert sample(values, "celery_singleflight_leases_acquired_total", task="sfapp.plain") == 12
+    # the pool processes really were replaced: more of them wrote counts than run at once
+    files = list(Path(worker.env["SF_TEST_METRICS_DIR"]).glob("counter_*.db"))
+    assert len(files) > 3, files
+
+
+def test_gauges_read_held_keys_and_parked_runs_from_redis(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
+) -> None:
+    worker, port = metrics_worker()
+    key = uuid.uuid4().hex[:8]
+    holder = sfapp.queued_sleeper.apply_async((f"g{key}", 30.0), queue=worker.queue)
+    wait_for(lambda: held(sfapp.queued_sleeper, f"g{key}"))
+    for _ in range(3):
+        sfapp.queued_sleeper.apply_async((f"g{key}", 0.01), queue=worker.queue)
+
+    def gauges() -> bool:
+        values = scrape(port)
+        return (sample(values, "celery_singleflight_keys_held", task="sfapp.queued_sleeper") == 1
+                and sample(values, "celery_singleflight_runs_waiting", task="sfapp.queued_sleeper") == 3)
+    wait_for(gauges, timeout=15, interval=0.1)
+    values = scrape(port)
+    assert sample(values, "celery_singleflight_keys_held", task="sfapp.hold_skip") == 0  # made at 0
+    sfapp.app.control.revoke(holder.id, terminate=True, signal="SIGKILL")
+
+
+def test_the_standalone_exporter_serves_the_workers_counts_and_the_gauges(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]], redis_server: Any,
+) -> None:
+    worker, _port = metrics_worker()
+    directory = worker.env["SF_TEST_METRICS_DIR"]
+    sfapp.plain.apply_async(("standalone",), queue=worker.queue).get(timeout=30)
+    port = free_port()
+    env = {**os.environ, **worker_env(redis_server)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "sfapp", "singleflight", "metrics", "--port", str(port),
+         "--dir", directory], cwd=str(TESTS), env=env, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: _answers(port), timeout=20)
+        wait_for(lambda: sample(scrape(port), "celery_singleflight_leases_acquired_total",
+                                task="sfapp.plain") >= 1, timeout=FLUSH_AFTER + 5)
+        values = scrape(port)
+        assert sample(values, "celery_singleflight_redis_up") == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_docs_list_every_series() -> None:
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    assert markdown_table() in page
+    assert all(series.exported in page for series in SERIES)
+
+
+def test_metrics_without_prometheus_client_say_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_singleflight import ConfigurationError
+    from celery_singleflight.metrics import record
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    with pytest.raises(ConfigurationError, match=r"celery-singleflight\[metrics\]"):
+        record.start_recording(None)
+    assert not record.recording()
+
+
+def test_the_dashboard_queries_only_series_that_exist() -> None:
+    """Every query of the Grafana dashboard in the docs names declared series (a renamed series
+    would leave a panel empty without an error)."""
+    import re
+
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exported = {series.exported for series in SERIES}
+    histograms = {f"{s.exported}{suffix}" for s in SERIES if s.kind == "histogram"
+                  for suffix in ("_bucket", "_sum", "_count")}
+    named = {name for panel in dashboard["panels"] for target in panel["targets"]
+             for name in re.findall(r"celery_singleflight_\w+", target["expr"])}
+    assert named, "no queries"
+    assert named <= exported | histograms, named - exported - histograms
+    assert len(dashboard["panels"]) >= 8
