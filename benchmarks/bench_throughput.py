@@ -66,7 +66,9 @@ import argparse
 import contextlib
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -101,12 +103,14 @@ CONCURRENCY = 2
 BUDGET_RATIO = 0.95  # wall-clock throughput, paired median, against plain Celery
 CPU_BUDGET = 1.10  # worker + redis-server CPU per task, against plain Celery plus two PINGs
 WARMUP_TASKS = 50  # per variant, in the unmeasured warm-up worker
-VARIANTS = ("plain", "two_pings", "redis_lock", "singleflight", "once", "singleton")
+VARIANTS = ("plain", "two_pings", "redis_lock", "singleflight", "singleflight_metrics", "once", "singleton")
+METRICS_BUDGET = 1.03  # worker + redis-server CPU per task with metrics on, against metrics off
 LABELS = {
     "plain": "plain `Task`",
     "two_pings": "plain + 2 PINGs (floor)",
     "redis_lock": "plain in redis-py `Lock`",
     "singleflight": "`SingleFlightTask`",
+    "singleflight_metrics": "`SingleFlightTask`, metrics on",
     "once": "celery-once `QueueOnce`",
     "singleton": "celery-singleton `Singleton`",
 }
@@ -160,7 +164,7 @@ class Bench:
     def lock_pattern(self, variant: str) -> str | None:
         """A SCAN pattern matching the held locks of a variant (None: it has none)."""
         prefix = self.ta.PREFIX
-        if variant == "singleflight":
+        if variant.startswith("singleflight"):
             return f"{prefix}:{{*}}:run"
         if variant == "redis_lock":
             return f"{prefix}:lock:*"
@@ -170,8 +174,9 @@ class Bench:
             return f"{prefix}:singleton:*"
         return None
 
-    def new_worker(self, queues: Sequence[str]) -> WorkerProcess:
-        worker = WorkerProcess("throughputapp", concurrency=CONCURRENCY, env=self.env, cwd=str(HERE),
+    def new_worker(self, queues: Sequence[str], metrics_dir: str = "") -> WorkerProcess:
+        env = {**self.env, "SF_TP_METRICS_DIR": metrics_dir}  # metrics on when given a directory
+        worker = WorkerProcess("throughputapp", concurrency=CONCURRENCY, env=env, cwd=str(HERE),
                                loglevel="INFO", extra=["-Q", ",".join(queues), "--without-heartbeat"])
         # WorkerProcess pins --prefetch-multiplier 1 (right for latency tests); throughput runs with
         # Celery's default (4), so drop the pin.
@@ -266,7 +271,8 @@ class Bench:
         c0 = self.commands()
         dispatch_rate = self.dispatch(variant, round_id, n)
         c1 = self.commands()
-        worker = self.new_worker([self.queue(variant)])
+        metrics_dir = tempfile.mkdtemp(prefix="sftp-metrics-") if variant == "singleflight_metrics" else ""
+        worker = self.new_worker([self.queue(variant)], metrics_dir)
         ta = self.ta
 
         def done() -> bool:
@@ -277,7 +283,11 @@ class Bench:
 
         self.polls = 0
         what = f"{variant} round {round_no}"
-        cpu_first, cpu_last = self.run_worker_until(worker, done, 60.0 + n / 20, what, started)
+        try:
+            cpu_first, cpu_last = self.run_worker_until(worker, done, 60.0 + n / 20, what, started)
+        finally:
+            if metrics_dir:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
         c2 = self.commands()
         count = int(self.recorder.get(ta.count_key(round_id)) or 0)
         if count != n:
@@ -285,7 +295,7 @@ class Bench:
         first = float(self.recorder.get(ta.first_key(round_id)) or 0)
         last = float(self.recorder.get(ta.last_key(round_id)) or 0)
         pattern = self.lock_pattern(variant)
-        if variant == "singleflight":  # run records outlive their runs: count the held ones
+        if variant.startswith("singleflight"):  # run records outlive their runs: count the held ones
             leftover = len(StatusReader(LeaseStore(self.locks, KeyLayout(ta.PREFIX))).held())
         else:
             leftover = count_matching(self.locks, pattern) if pattern else None
@@ -358,6 +368,34 @@ def cpu_table(variants: Sequence[Variant]) -> str:
             budget, verdict = "—", "floor" if v.name == "two_pings" else "comparison"
         lines.append(f"| {LABELS[v.name]} | {worker:.3f} | {redis_ms:.3f} | {total:.3f} | {ratio} "
                      f"| {lock_ratio} | {budget} | {verdict} |")
+    return "\n".join(lines)
+
+
+def metrics_table(variants: Sequence[Variant], counted: dict[str, tuple[int, int]]) -> str:
+    """Metrics on against off: the same task and worker, paired per round (the 3 % budget)."""
+    named = {v.name: v for v in variants if v.runs}
+    if not {"singleflight", "singleflight_metrics"} <= named.keys():
+        return ""
+    off, on = named["singleflight"], named["singleflight_metrics"]
+    cpu = paired_cpu_ratio(on, off)
+    rate = median_ratio(on, off, "tasks_per_s")
+    lines = ["| measure | metrics off | metrics on | ratio on / off (paired median, range) | budget "
+             "| verdict |",
+             "|---|---:|---:|---|---|---|"]
+    if cpu is not None:
+        medians = [statistics.median(cpu_per_thousand(m) or 0.0 for m in v.runs) for v in (off, on)]
+        verdict = "PASS" if cpu[0] <= METRICS_BUDGET else "MISS"
+        lines.append(f"| worker + redis-server CPU s per 1,000 tasks | {medians[0]:.3f} | {medians[1]:.3f} "
+                     f"| {cpu[0]:.3f} ({min(cpu[1]):.3f} - {max(cpu[1]):.3f}) | ≤ {METRICS_BUDGET:g} "
+                     f"| {verdict} |")
+    if rate is not None:
+        medians = [statistics.median(m.tasks_per_s for m in v.runs) for v in (off, on)]
+        lines.append(f"| tasks/s | {_rate(medians[0])} | {_rate(medians[1])} "
+                     f"| {rate[0]:.3f} ({min(rate[1]):.3f} - {max(rate[1]):.3f}) | — | — |")
+    if "singleflight" in counted and "singleflight_metrics" in counted:
+        child_off, child_on = counted["singleflight"][0], counted["singleflight_metrics"][0]
+        lines.append(f"| instructions per task, pool child (callgrind) | {child_off:,} | {child_on:,} "
+                     f"| {child_on / child_off:.3f} | — | — |")
     return "\n".join(lines)
 
 
@@ -459,11 +497,10 @@ def rounds_table(variants: Sequence[Variant]) -> str:
 
 
 #: what the page says below the tables (the console also prints the floor, the notes and every round)
-DOC_NOTE = ("The floor is a plain task plus two PINGs, the least any 2-round-trip lease costs; redis-py "
-            "`Lock` is a bare lock (no record, no heartbeat); `SingleFlightTask` takes a unique key per "
-            "task. celery-once and celery-singleton lock in `apply_async`, so their cost shows in the "
-            "dispatch rate. Figures are medians, ratios paired medians. CPU: the worker's processes "
-            "(/proc) and the redis-server (`INFO cpu`).")
+DOC_NOTE = ("Floor: a plain task plus two PINGs, the least any 2-round-trip lease costs. redis-py `Lock`: "
+            "a bare lock (no record, no heartbeat). `SingleFlightTask`: a unique key per task. celery-once "
+            "and celery-singleton lock in `apply_async`: their cost shows in the dispatch rate. Medians; "
+            "ratios are paired. CPU: the worker's processes (/proc) and the redis-server (`INFO cpu`).")
 
 
 def run(args: argparse.Namespace, url: str, private: bool) -> None:
@@ -543,10 +580,12 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
 
     summary, cpu, per_round = summary_table(variants), cpu_table(variants), rounds_table(variants)
     floor_text = floor_sentence(variants)
-    instructions = ""
+    instructions, counted = "", {}
     if args.callgrind:
         print("instructions per task under callgrind (a few minutes):", flush=True)
-        instructions = instructions_table(traced_tasks.instructions_per_task())
+        counted = traced_tasks.instructions_per_task()
+        instructions = instructions_table(counted)
+    metrics = metrics_table(variants, counted)
     heading = (f"Throughput, {args.tasks:,} no-op tasks per measurement (N / (last end - first start)), "
                f"{args.rounds} interleaved round(s):")
     notes = ("celery-once and celery-singleton take their lock in `apply_async`, in the producer (this "
@@ -572,6 +611,11 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
     print()
     if instructions:
         print(instructions)
+        print()
+    if metrics:
+        print("Metrics on and off (the same task; a worker with singleflight_metrics = True):")
+        print()
+        print(metrics)
         print()
     print("Per measurement:")
     print()
@@ -600,6 +644,10 @@ def run(args: argparse.Namespace, url: str, private: bool) -> None:
             f"{server_version}; `celery worker --pool prefork "
             f"--concurrency {CONCURRENCY}`, a fresh one per measurement). Measured {machine()}.",
             heading, summary, "CPU per task:", cpu, chart, instructions, DOC_NOTE,
+            metrics and "### Metrics on and off", metrics and (
+                "The same `SingleFlightTask`, drained by a worker with `singleflight_metrics = True` "
+                "(counting into its multiprocess directory) and by one without, in the same rounds:"),
+            metrics,
         ])))
     print(f"total time {time.monotonic() - started:.0f} s")
 

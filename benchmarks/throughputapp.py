@@ -9,6 +9,8 @@ One no-op task per variant, all with the same shape ``(i, round_id, target)`` an
   real lock taken in the worker, with a unique name per task;
 - ``singleflight``: ``SingleFlightTask`` with ``lock_key="tp:<round_id>:<i>"``: a unique key per
   task, so every run takes an uncontended lease (acquire, heartbeat registration, release);
+- ``singleflight_metrics``: the same task, run by a worker with Prometheus metrics on
+  (``SF_TP_METRICS_DIR``: the worker counts into that directory), for the cost of counting;
 - ``once``: ``celery_once.QueueOnce`` (its Redis backend): the lock is taken in ``apply_async``,
   by the producer, and cleared in ``after_return`` by the worker; only if celery-once imports;
 - ``singleton``: ``celery_singleton.Singleton`` (its Redis backend): the lock is taken in
@@ -27,6 +29,7 @@ Configuration comes from the environment (set by the benchmark before the worker
   celery-singleton's key prefix, the broker's keys when ``SF_TP_BROKER_PREFIX=1`` via kombu's
   ``global_keyprefix``); celery-once's keys cannot be given a prefix (they are
   ``qo_<task name>_<args>``), so its task's name ends with the prefix instead;
+- ``SF_TP_METRICS_DIR``: metrics on (``singleflight_metrics``), counted into this directory;
 - ``SF_TP_TASK_LOGS=1`` keeps Celery's two INFO lines per task ("received", "succeeded"); by
   default they are turned off (the same for every variant), so the fixed per-task cost the lease
   is compared against is not padded with log writes.
@@ -66,6 +69,8 @@ app.conf.update(
     # celery-singleton: its Redis backend on the locks DB, keys under our prefix (no expiry: its default)
     singleton_backend_url=LOCKS,
     singleton_key_prefix=f"{PREFIX}:singleton:",
+    singleflight_metrics=bool(os.environ.get("SF_TP_METRICS_DIR")),
+    singleflight_metrics_dir=os.environ.get("SF_TP_METRICS_DIR") or None,
 )
 # celery-once reads the upper-case ``ONCE`` setting (its documented form)
 app.conf.ONCE = {
@@ -81,7 +86,7 @@ UNAVAILABLE: dict[str, str] = {}
 TASKS: dict[str, Any] = {}
 #: variant -> whether it locks at dispatch (in the producer) rather than in the worker
 LOCKS_AT_DISPATCH = {"plain": False, "two_pings": False, "redis_lock": False, "singleflight": False,
-                     "once": True, "singleton": True}
+                     "singleflight_metrics": False, "once": True, "singleton": True}
 
 
 def count_key(round_id: str) -> str:
@@ -151,6 +156,7 @@ def redis_lock(i: int, round_id: str, target: int) -> None:
 
 TASKS["plain"] = plain
 TASKS["singleflight"] = singleflight
+TASKS["singleflight_metrics"] = singleflight  # the worker differs (metrics on), not the task
 TASKS["two_pings"] = two_pings
 TASKS["redis_lock"] = redis_lock
 

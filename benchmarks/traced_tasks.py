@@ -3,7 +3,8 @@
 
 Wall-clock rates and CPU seconds on a shared machine move by several per cent between runs;
 instruction counts do not. ``bench_throughput.py --callgrind`` calls :func:`instructions_per_task`
-for the variants that lock in the worker (plain, two PINGs, redis-py ``Lock``, SingleFlightTask):
+for the variants that lock in the worker (plain, two PINGs, redis-py ``Lock``, SingleFlightTask,
+and SingleFlightTask with metrics on):
 
 - the pool child: this file run as a script under ``valgrind --tool=callgrind``, once with 100 and
   once with 400 tasks; the difference divided by 300 is one task's cost (start-up, imports and the
@@ -33,21 +34,25 @@ import redis
 from benchutil import CallgrindServer, import_app
 from celery.app.trace import build_tracer, fast_trace_task, setup_worker_optimizations
 
+from celery_singleflight.metrics.exporter import start_worker_metrics
 from celery_singleflight.protocol.store import SCRIPTS
 
 HERE = Path(__file__).resolve().parent
-TRACED = ("plain", "two_pings", "redis_lock", "singleflight")
+TRACED = ("plain", "two_pings", "redis_lock", "singleflight", "singleflight_metrics")
 WARMUP = 30  # tasks run before the counted ones, in every child
 FEW, MANY = 100, 400
 
 
 def run_traced(variant: str, tasks: int, url: str) -> None:
     """Run ``WARMUP + tasks`` tasks of ``variant`` through Celery's tracer, as a pool child does."""
+    metrics_dir = tempfile.mkdtemp(prefix="sftr-metrics-") if variant == "singleflight_metrics" else ""
     ta, _ = import_app("throughputapp", {
         "SF_TP_BROKER": f"{url}/0", "SF_TP_LOCKS": f"{url}/1", "SF_TP_RECORDER": f"{url}/2",
-        "SF_TP_PREFIX": f"sftr-{uuid.uuid4().hex[:8]}",
+        "SF_TP_PREFIX": f"sftr-{uuid.uuid4().hex[:8]}", "SF_TP_METRICS_DIR": metrics_dir,
     })
     app = ta.app
+    if metrics_dir:  # as a worker's main process does before its pool forks
+        start_worker_metrics(app)
     setup_worker_optimizations(app, "celery@bench")
     task = ta.TASKS[variant]
     task.__trace__ = build_tracer(task.name, task, app.loader, "celery@bench", app=app)
@@ -65,6 +70,8 @@ def run_traced(variant: str, tasks: int, url: str) -> None:
         failed, _, _ = fast_trace_task(task.name, task_id, request, body, "application/json", "utf-8")
         if failed:
             raise RuntimeError(f"{variant} task {i} failed")
+    if metrics_dir:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def child_instructions(variant: str, tasks: int, url: str, out_dir: Path) -> int:
