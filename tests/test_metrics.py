@@ -133,16 +133,17 @@ def test_prometheus_scrapes_what_each_policy_did(
     sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
     prometheus: Callable[[int], Callable[[str], list[dict[str, Any]]]],
 ) -> None:
-    worker, port = metrics_worker()
+    # 4 holders run at once: 4 more processes take the duplicates while the holders still hold
+    worker, port = metrics_worker(concurrency=8)
     query = prometheus(port)
     queue = worker.queue
     key = uuid.uuid4().hex[:8]
     # skip: one holder, three duplicates turned away
-    holder = sfapp.hold_skip.apply_async((f"s{key}", 1.5), queue=queue)
+    holder = sfapp.hold_skip.apply_async((f"s{key}", 3.0), queue=queue)
     wait_for(lambda: held(sfapp.hold_skip, f"s{key}"))
     skipped = [sfapp.hold_skip.apply_async((f"s{key}",), queue=queue) for _ in range(3)]
     # raise: two duplicates fail with LockHeld
-    raiser = sfapp.hold_raise.apply_async((f"r{key}", 1.5), queue=queue)
+    raiser = sfapp.hold_raise.apply_async((f"r{key}", 3.0), queue=queue)
     wait_for(lambda: held(sfapp.hold_raise, f"r{key}"))
     raised = [sfapp.hold_raise.apply_async((f"r{key}",), queue=queue) for _ in range(2)]
     # queue: a holder and three parked runs, each handed the key in turn
@@ -150,12 +151,13 @@ def test_prometheus_scrapes_what_each_policy_did(
     wait_for(lambda: held(sfapp.queued, f"q{key}", 0))
     parked = [sfapp.queued.apply_async((f"q{key}", n, 0.05), queue=queue) for n in (1, 2, 3)]
     # join: two runs get the holder's result
-    joined_holder = sfapp.joined.apply_async((f"j{key}", 7, 1.0), queue=queue)
+    joined_holder = sfapp.joined.apply_async((f"j{key}", 7, 3.0), queue=queue)
     wait_for(lambda: held(sfapp.joined, f"j{key}", 7))
     joins = [sfapp.joined.apply_async((f"j{key}", 8), queue=queue) for _ in range(2)]
 
-    for result in (holder, *skipped, raiser, first, *parked, joined_holder, *joins):
+    for result in (holder, *skipped, raiser, first, *parked, joined_holder):
         result.get(timeout=30, propagate=False)
+    assert [join.get(timeout=30)["value"] for join in joins] == [7, 7]  # they did join the holder
     for result in raised:
         with pytest.raises(Exception, match="held"):
             result.get(timeout=30)
