@@ -293,3 +293,16 @@ def test_the_dashboard_queries_only_series_that_exist() -> None:
     assert named, "no queries"
     assert named <= exported | histograms, named - exported - histograms
     assert len(dashboard["panels"]) >= 8
+
+
+def test_a_worker_whose_metrics_port_is_taken_says_so_and_does_not_start(
+    start_worker: Callable[..., Any], tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="singleflight_metrics_port: cannot serve metrics"):
+            start_worker(env={"SF_TEST_METRICS_PORT": str(port), "SF_TEST_METRICS_DIR": str(tmp_path / "m")})

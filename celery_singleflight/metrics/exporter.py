@@ -11,6 +11,7 @@ import tempfile
 from typing import Any
 
 from ..config.options import app_options
+from ..errors import ConfigurationError
 from ..worker.registry import guarded_tasks
 from . import hooks, record
 from .gauges import RedisGauges
@@ -67,5 +68,11 @@ def start_worker_metrics(app: Any) -> str | None:
             for outcome in stage.outcomes.get(policy, ()):
                 record.count("duplicates", task.name, policy, outcome, amount=0)
     if opts.metrics_port:
-        serve(app, opts.metrics_port, opts.metrics_address, directory)
+        try:
+            serve(app, opts.metrics_port, opts.metrics_address, directory)
+        except OSError as exc:  # the port is taken (another worker on this host?) or the address wrong
+            raise ConfigurationError(
+                f"singleflight_metrics_port: cannot serve metrics on {opts.metrics_address}:"
+                f"{opts.metrics_port} ({exc}); give each worker on a host its own port, or leave it"
+                " unset and run `celery singleflight metrics` beside the workers") from exc
     return directory

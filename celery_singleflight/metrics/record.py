@@ -87,6 +87,7 @@ def start_recording(directory: str | None) -> None:
                 _families[series.name] = prometheus_client.Histogram(
                     PREFIX + series.name, series.help, series.labels, registry=None, buckets=BUCKETS)
         _on[0] = True
+    atexit.unregister(flush)  # once, however often recording starts
     atexit.register(flush)
 
 

@@ -24,7 +24,7 @@ from ..keys import stored_key
 from ..protocol.areads import AsyncRunReads
 from ..protocol.store import KeyLayout
 from .keystatus import KeyStatus, WatchEvent
-from .status import HISTORY, Follow, first_held, slot_run, statuses, watch_steps
+from .status import ask, first_held, next_step, slot_run, statuses, watch_steps
 
 __all__ = ["AsyncStatusReader", "areader", "astatus", "awatch", "reader_for"]
 
@@ -54,22 +54,13 @@ class AsyncStatusReader:
                     slot: int = 0) -> AsyncGenerator[WatchEvent, None]:
         """The run's events, history first, until its ``end`` (as :meth:`~.status.StatusReader.watch`)."""
         key, slot = slot_run(key, slot)
-        steps = watch_steps(timeout, poll)
-        answer: Any = None
-        while True:
-            try:
-                step = steps.send(answer)
-            except StopIteration:
-                return
+        steps, answer = watch_steps(timeout, poll), None
+        while (step := next_step(steps, answer)) is not None:
             if isinstance(step, WatchEvent):
                 yield step
                 answer = None
-            elif isinstance(step, Follow):
-                answer = await self.reads.follow(key, slot, step.after, step.block)
-            elif step == HISTORY:
-                answer = await self.reads.history(key, slot)
             else:
-                answer = await self.read(key, slot)
+                answer = await ask(step, self.read, self.reads, key, slot)
 
 
 async def reader_for(opts: Options) -> AsyncStatusReader:

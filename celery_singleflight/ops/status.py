@@ -49,9 +49,11 @@ __all__ = [
     "KeyStatus",
     "StatusReader",
     "WatchEvent",
+    "ask",
     "first_held",
     "force_release",
     "held",
+    "next_step",
     "reader",
     "slot_run",
     "status",
@@ -94,6 +96,23 @@ def first_held(found: Sequence[KeyStatus | None]) -> KeyStatus | None:
     """What a task's ``status(*args)`` answers from its key's slots (read in slot order): the first
     held slot, else slot 0 (how its last run ended, or None)."""
     return next((st for st in found if st is not None and st.held), found[0])
+
+
+def next_step(steps: Generator[WatchEvent | str | Follow, Any, None], answer: Any
+              ) -> WatchEvent | str | Follow | None:
+    """The next thing :func:`watch_steps` yields, sent ``answer``; None once it has ended."""
+    try:
+        return steps.send(answer)
+    except StopIteration:
+        return None
+
+
+def ask(step: str | Follow, read: Any, reads: Any, key: str, slot: int) -> Any:
+    """Answer a request of :func:`watch_steps` with a reader's ``read`` and its run ``reads``
+    (an asyncio reader's answer is a coroutine, to await)."""
+    if isinstance(step, Follow):
+        return reads.follow(key, slot, step.after, step.block)
+    return reads.history(key, slot) if step == HISTORY else read(key, slot)
 
 
 def watch_steps(timeout: float | None, poll: float) -> Generator[WatchEvent | str | Follow, Any, None]:
@@ -224,22 +243,13 @@ class StatusReader:
         after ``timeout`` seconds if given. Yields nothing if nothing is known about the key.
         """
         key, slot = slot_run(key, slot)
-        steps = watch_steps(timeout, poll)
-        answer: Any = None
-        while True:
-            try:
-                step = steps.send(answer)
-            except StopIteration:
-                return
+        steps, answer = watch_steps(timeout, poll), None
+        while (step := next_step(steps, answer)) is not None:
             if isinstance(step, WatchEvent):
                 yield step
                 answer = None
-            elif isinstance(step, Follow):
-                answer = self.store.reads.follow(key, slot, step.after, step.block)
-            elif step == HISTORY:
-                answer = self.store.reads.history(key, slot)
             else:
-                answer = self.read(key, slot)
+                answer = ask(step, self.read, self.store.reads, key, slot)
 
     def force_release(self, key: str, by: str, expected_holder: str = "", slot: int = 0,
                       slots: int | None = None, ttl: float = 30.0) -> str | None:

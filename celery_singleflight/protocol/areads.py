@@ -13,24 +13,10 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from .handoff import QUEUE
 from .layout import Layout
-from .reads import Snapshot
-from .record import RunRecord
+from .reads import Snapshot, ask_snapshots, clock_ms, snapshots_of, stream_entries
 
-__all__ = ["AsyncRunReads", "clock_ms", "stream_entries"]
-
-
-def clock_ms(reply: Any) -> int:
-    """A ``TIME`` reply (seconds, microseconds) as milliseconds."""
-    seconds, micros = reply
-    return int(seconds) * 1000 + int(micros) // 1000
-
-
-def stream_entries(reply: Any) -> list[Any]:
-    """The entries of an ``XREAD`` reply, whichever protocol answered (RESP3: a dict; RESP2: pairs)."""
-    streams = reply.items() if isinstance(reply, dict) else (reply or [])
-    return [entry for _, entries in streams for entry in entries]
+__all__ = ["AsyncRunReads"]
 
 
 class AsyncRunReads:
@@ -48,19 +34,13 @@ class AsyncRunReads:
         pipeline (a Cluster: then one ``TIME`` per node that holds them)."""
         layout, client = self.layout, self.client
         pipe = client.pipeline(transaction=False)
-        if not self.cluster:
-            pipe.time()
-        for key, slot in runs:
-            pipe.get(layout.run(key, slot))
-            pipe.llen(layout.key(QUEUE, key))
-        replies = await pipe.execute()
+        ask_snapshots(pipe, layout, runs, clock=not self.cluster)
+        replies = list(await pipe.execute())
         if self.cluster:  # each lease against the clock of its own node
             clocks = await self._node_clocks([layout.run(key, slot) for key, slot in runs])
-            replies = [None, *replies]
         else:
-            clocks = [clock_ms(replies[0])] * len(runs)
-        return [(RunRecord.decode(replies[1 + 2 * i]), int(replies[2 + 2 * i]), clocks[i])
-                for i in range(len(runs))]
+            clocks = [clock_ms(replies.pop(0))] * len(runs)
+        return snapshots_of(replies, clocks)
 
     async def _node_clocks(self, names: Sequence[str]) -> list[int]:
         nodes = [self.client.get_node_from_key(name) for name in names]

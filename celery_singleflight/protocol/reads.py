@@ -16,13 +16,42 @@ from .context import Feature
 from .handoff import QUEUE
 from .record import RunRecord
 
-__all__ = ["RunReads", "Snapshot"]
+__all__ = ["RunReads", "Snapshot", "ask_snapshots", "clock_ms", "snapshots_of", "stream_entries"]
 
 #: how many records one pipelined read asks for
 _BATCH = 200
 
 #: (the record, runs waiting in the key's queue, the server's clock in ms)
 Snapshot = tuple[RunRecord, int, int]
+
+
+def clock_ms(reply: Any) -> int:
+    """A ``TIME`` reply (seconds, microseconds) as milliseconds."""
+    seconds, micros = reply
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def stream_entries(reply: Any) -> list[Any]:
+    """The entries of an ``XREAD`` reply, whichever protocol answered (RESP3: a dict; RESP2: pairs)."""
+    streams = reply.items() if isinstance(reply, dict) else (reply or [])
+    return [entry for _, entries in streams for entry in entries]
+
+
+def ask_snapshots(pipe: Any, layout: Any, runs: Sequence[tuple[str, int]], clock: bool) -> None:
+    """Queue on ``pipe`` (blocking or asyncio) the reads of each (key, slot): its record and its
+    key's queue length, after ``TIME`` if ``clock`` (not on a Cluster: each node has its own)."""
+    if clock:
+        pipe.time()
+    for key, slot in runs:
+        pipe.get(layout.run(key, slot))
+        pipe.llen(layout.key(QUEUE, key))
+
+
+def snapshots_of(replies: Sequence[Any], clocks: Sequence[int]) -> list[Snapshot]:
+    """The snapshots from the replies of :func:`ask_snapshots` (without ``TIME``'s) and each
+    run's server clock."""
+    return [(RunRecord.decode(replies[2 * i]), int(replies[2 * i + 1]), clock)
+            for i, clock in enumerate(clocks)]
 
 
 class RunReads(Feature):
@@ -46,8 +75,8 @@ class RunReads(Feature):
             pipe = client.pipeline(transaction=False)
             pipe.time()
             pipe.get(run)
-            (seconds, micros), raw = pipe.execute()
-            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            time_reply, raw = pipe.execute()
+            now_ms = clock_ms(time_reply)
         record = RunRecord.decode(raw)
         if not record.token or record.deadline is None or record.deadline <= now_ms:
             return None, 0.0
@@ -61,21 +90,13 @@ class RunReads(Feature):
         for start in range(0, len(runs), _BATCH):
             batch = runs[start : start + _BATCH]
             pipe = client.pipeline(transaction=False)
-            if not self.ctx.cluster:
-                pipe.time()
-            for key, slot in batch:
-                pipe.get(layout.run(key, slot))
-                pipe.llen(layout.key(QUEUE, key))
+            ask_snapshots(pipe, layout, batch, clock=not self.ctx.cluster)
             replies = pipe.execute()
             if self.ctx.cluster:  # each lease against the clock of its own node
                 clocks = clocks_ms(client, [layout.run(key, slot) for key, slot in batch])
-                replies = [None, *replies]
             else:
-                seconds, micros = replies[0]
-                clocks = [int(seconds) * 1000 + int(micros) // 1000] * len(batch)
-            for i in range(len(batch)):
-                raw, queued = replies[1 + 2 * i : 3 + 2 * i]
-                out.append((RunRecord.decode(raw), int(queued), clocks[i]))
+                clocks = [clock_ms(replies.pop(0))] * len(batch)
+            out.extend(snapshots_of(replies, clocks))
         return out
 
     def scan(self, pattern: str, count: int) -> Iterator[str]:
@@ -92,5 +113,4 @@ class RunReads(Feature):
         """The history entries after ``after``, waiting up to ``block`` seconds for one."""
         stream = self.ctx.layout.history(key, slot)
         reply: Any = self.ctx.client.xread({stream: after}, block=max(1, int(block * 1000)), count=100)
-        streams = reply.items() if isinstance(reply, dict) else (reply or [])  # RESP3 / RESP2
-        return [entry for _, entries in streams for entry in entries]
+        return stream_entries(reply)
