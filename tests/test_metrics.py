@@ -279,6 +279,36 @@ def test_metrics_without_prometheus_client_say_how_to_get_it(monkeypatch: pytest
     assert not record.recording()
 
 
+def test_a_flush_at_exit_waits_for_a_timer_write_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool process writes its counts as it exits, and the pool kills it as soon as it says it
+    exited: if the timer thread had just taken the counts and was still writing them, the exit's
+    flush must wait for that write, not return at once with nothing left to write."""
+    import threading
+
+    from celery_singleflight.metrics import record
+
+    record.start_recording(None)
+    try:
+        family = record._families["leases_acquired"]
+        labels, taking = family.labels, threading.Event()
+
+        def slow_labels(*values: str) -> Any:
+            taking.set()
+            time.sleep(0.3)  # the timer's write, half done
+            return labels(*values)
+
+        monkeypatch.setattr(family, "labels", slow_labels)
+        record.count("leases_acquired", "t", "skip")
+        timer = threading.Thread(target=record.flush)
+        timer.start()
+        assert taking.wait(5)
+        record.flush()  # the exit's flush
+        assert labels("t", "skip")._value.get() == 1
+        timer.join()
+    finally:
+        record.stop_recording()
+
+
 def test_the_dashboard_queries_only_series_that_exist() -> None:
     """Every query of the Grafana dashboard in the docs names declared series (a renamed series
     would leave a panel empty without an error)."""

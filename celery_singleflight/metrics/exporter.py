@@ -67,6 +67,9 @@ def start_worker_metrics(app: Any) -> str | None:
         for stage in pipeline.stages if pipeline is not None else ():
             for outcome in stage.outcomes.get(policy, ()):
                 record.count("duplicates", task.name, policy, outcome, amount=0)
+    # written now, not by a timer thread that a fork of the pool could catch inside the
+    # client's lock (the pool process would wait on it for ever)
+    record.flush()
     if opts.metrics_port:
         try:
             serve(app, opts.metrics_port, opts.metrics_address, directory)

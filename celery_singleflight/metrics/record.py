@@ -35,6 +35,9 @@ FLUSH_AFTER = 1.0
 _on = [False]
 _families: dict[str, Any] = {}
 _lock = threading.Lock()
+#: held for a whole write: a flush at exit must not return while a timer's write is half done
+#: (the pool kills a process that reported its exit; the timer thread's counts would go with it)
+_writing = threading.Lock()
 #: (series, labels) -> amount not written yet
 _counts: dict[tuple[str, tuple[str, ...]], float] = {}
 #: (series, labels) -> observations per bucket (the last: above every bound), then their sum
@@ -126,7 +129,13 @@ def observe(name: str, value: float, *labels: str) -> None:
 
 
 def flush() -> None:
-    """Write every pending count where the exporter reads it (this process's file)."""
+    """Write every pending count where the exporter reads it (this process's file); returns
+    once every count taken so far is written, also those another thread's flush is writing."""
+    with _writing:
+        _write()
+
+
+def _write() -> None:
     with _lock:
         counts, observed = dict(_counts), {k: list(v) for k, v in _observed.items()}
         _counts.clear()
@@ -178,8 +187,9 @@ def _forget() -> None:
 
 
 def _after_fork() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    global _lock, _writing
+    _lock = threading.Lock()  # another thread of the parent may have held them at the fork
+    _writing = threading.Lock()
     _forget()
 
 
