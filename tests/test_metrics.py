@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import celery_singleflight as sf
 from celery_singleflight.metrics.catalog import SERIES, markdown_table
 from celery_singleflight.metrics.record import FLUSH_AFTER
 from celery_singleflight.testing import free_port
@@ -190,6 +191,55 @@ def test_prometheus_scrapes_what_each_policy_did(
     assert _value(query, 'celery_singleflight_hold_seconds_count{task="sfapp.hold_skip"}') == 1
     assert _value(query, "celery_singleflight_renewal_round_trips_total") >= 0
     assert _value(query, "celery_singleflight_redis_up") == 1
+
+
+def test_prometheus_scrapes_retry_coalesce_and_supersede(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
+    prometheus: Callable[[int], Callable[[str], list[dict[str, Any]]]],
+) -> None:
+    """The other three policies, each with a holder and its duplicates, and the series only
+    they move (a retried run's wait, a lease taken over)."""
+    worker, port = metrics_worker(concurrency=8)
+    query = prometheus(port)
+    queue = worker.queue
+    key = uuid.uuid4().hex[:8]
+    # retry: the duplicate retries until the holder is done, then runs
+    holder = sfapp.hold_retry.apply_async((f"t{key}", 2.0), queue=queue)
+    wait_for(lambda: held(sfapp.hold_retry, f"t{key}"))
+    retried = sfapp.hold_retry.apply_async((f"t{key}",), queue=queue)
+    # coalesce: two duplicates while the holder runs; the second replaces the first as the pending run
+    co_holder = sfapp.coalesced.apply_async((f"c{key}", 0, 2.0), queue=queue)
+    wait_for(lambda: held(sfapp.coalesced, f"c{key}", 0))
+    co_first = sfapp.coalesced.apply_async((f"c{key}", 1), queue=queue)
+    wait_for(lambda: co_first.state == "QUEUED")
+    co_last = sfapp.coalesced.apply_async((f"c{key}", 2), queue=queue)
+    # supersede: a newer run takes the key over from the holder, which stops at its next check
+    old = sfapp.superseding.apply_async((f"u{key}", 0, 10.0), queue=queue)
+    wait_for(lambda: held(sfapp.superseding, f"u{key}", 0))
+    newer = sfapp.superseding.apply_async((f"u{key}", 1), queue=queue)
+
+    for result in (holder, retried, co_holder, co_first, co_last, newer):
+        result.get(timeout=30, propagate=False)
+    old.get(timeout=30, propagate=False)
+    assert old.state == "FAILURE" and newer.state == "SUCCESS", (old.state, newer.state)
+    assert sf.is_coalesced(co_first.get()) and co_last.get() == 2
+
+    ended = time.time() + FLUSH_AFTER
+    wait_for(lambda: _value(query, "timestamp(up)") > ended + 0.1, timeout=20, interval=0.2)
+    name = "celery_singleflight_duplicates_total"
+    # one count per retry: the duplicate retried at least once
+    assert _value(query, f'{name}{{task="sfapp.hold_retry",policy="retry",outcome="retry"}}') >= 1
+    for task, policy, outcome, expected in (
+            ("coalesced", "coalesce", "queued", 2), ("superseding", "supersede", "superseding", 1)):
+        expr = f'{name}{{task="sfapp.{task}",policy="{policy}",outcome="{outcome}"}}'
+        assert _value(query, expr) == expected, expr
+    acquired = "celery_singleflight_leases_acquired_total"
+    for task in ("hold_retry", "coalesced", "superseding"):  # the holder and the run after it
+        assert _value(query, f'{acquired}{{task="sfapp.{task}"}}') == 2, task
+    assert _value(query, 'celery_singleflight_leases_taken_over_total{task="sfapp.superseding"}') == 1
+    # the retried run waited for the key from its first attempt, about the holder's 2 s
+    assert _value(query, 'celery_singleflight_wait_seconds_count{task="sfapp.hold_retry"}') == 1
+    assert _value(query, 'celery_singleflight_wait_seconds_sum{task="sfapp.hold_retry"}') >= 1.0
 
 
 def test_counts_survive_pool_processes_replaced_after_every_task(
