@@ -578,3 +578,25 @@ def fair_timed(self, tenant, n, seconds=0.5):
     """Fair share with a queue_timeout: runs that wait over 1 s end FAILURE (QueueTimeout)."""
     record_fair(tenant, n, seconds)
     return f"{tenant}:{n}"
+
+
+# -- the metrics tests' series no duplicate moves (tests/test_metrics.py) ----------------------
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mdeb:<key>", debounce=0.5)
+def debounced(self, key, n=0):
+    """A burst of calls becomes one run, 0.5 s after the last, with the last call's payload."""
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mrate:<key>", key_rate_limit="2/s", key_rate_burst=1,
+          max_concurrency=4)
+def rated(self, key, n=0):
+    return n
+
+
+@app.task(bind=True, base=SingleFlightTask, lock_key="mft:<key>:<n>", fair_key="<key>", fair_concurrency=1,
+          queue_timeout=0.5)
+def fair_metered(self, key, n, seconds=0.05):
+    time.sleep(seconds)
+    return n

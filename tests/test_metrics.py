@@ -1,7 +1,9 @@
 """Prometheus metrics: a real Prometheus server scrapes a real worker's exporter while each
-policy runs, and the counts it stores are the runs and duplicates that happened; a prefork
-worker whose pool processes are replaced after every task loses no count; the gauges read
-from Redis show a held key and its parked runs; the standalone exporter serves the same."""
+policy runs, and the counts it stores are the runs and duplicates that happened; the series no
+duplicate moves (debounce, rate limit, a lost lease, renewals, a queue timeout, a Redis down)
+count what real runs did; a prefork worker whose pool processes are replaced after every task
+loses no count, nor does a flush or a fork beside a write in flight; the gauges read from Redis
+show a held key and its parked runs; the standalone exporter serves the same."""
 
 from __future__ import annotations
 
@@ -54,11 +56,11 @@ def sample(values: dict[str, float], name: str, **labels: str) -> float:
 
 @pytest.fixture
 def metrics_worker(start_worker: Callable[..., Any], tmp_path: Path) -> Callable[..., tuple[Any, int]]:
-    def start(*extra: str, concurrency: int = 4) -> tuple[Any, int]:
+    def start(*extra: str, concurrency: int = 4, env: dict[str, str] | None = None) -> tuple[Any, int]:
         port = free_port()
         directory = tmp_path / f"metrics-{port}"
         worker = start_worker(concurrency=concurrency, extra=extra, env={
-            "SF_TEST_METRICS_PORT": str(port), "SF_TEST_METRICS_DIR": str(directory)})
+            "SF_TEST_METRICS_PORT": str(port), "SF_TEST_METRICS_DIR": str(directory), **(env or {})})
         wait_for(lambda: _answers(port), timeout=15)
         return worker, port
     return start
@@ -242,6 +244,76 @@ def test_prometheus_scrapes_retry_coalesce_and_supersede(
     assert _value(query, 'celery_singleflight_wait_seconds_sum{task="sfapp.hold_retry"}') >= 1.0
 
 
+def test_the_time_policies_losses_renewals_and_queue_timeouts_are_counted(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]], redis_server: Any,
+) -> None:
+    """The series no duplicate moves, each from a real run: calls folded by a debounce, runs
+    delayed by a key's rate limit (and the delay), a lease lost, renewals, a queue timeout."""
+    worker, port = metrics_worker(concurrency=4)
+    queue = worker.queue
+    key = uuid.uuid4().hex[:8]
+    # a debounced burst of three: one run, two calls folded into it
+    burst = [sfapp.debounced.apply_async((key, n), queue=queue) for n in range(3)]
+    # three at once on a key allowed 2/s with a burst of 1: two wait, 0.5 s and 1 s
+    paced = [sfapp.rated.apply_async((key, n), queue=queue) for n in range(3)]
+    # a fair slot held 2.5 s: the run behind it waits past its 0.5 s queue_timeout
+    fair_holder = sfapp.fair_metered.apply_async((key, 0, 2.5), queue=queue)
+    wait_for(lambda: sfapp.fair_metered.fair_status().running, timeout=15)
+    timed_out = sfapp.fair_metered.apply_async((key, 1), queue=queue)
+    # a lease renewed for 4.5 s (a TTL of 1.5 s), and one deleted behind its holder's back
+    renewed = sfapp.heartbeat_check.apply_async((f"r{key}",), queue=queue)
+    lost = sfapp.loses_lease.apply_async((f"l{key}",), queue=queue)
+    wait_for(lambda: sfapp.recorder.get(f"started:l{key}"), timeout=15)
+    redis_server.client(2).delete(sfapp.loses_lease.store.layout.run(sfapp.loses_lease.render_key(f"l{key}")))
+
+    outcomes = [r.get(timeout=30) for r in burst]
+    assert [o for o in outcomes if not isinstance(o, dict)] == [2], outcomes  # the last call's payload
+    assert [o["singleflight"] for o in outcomes if isinstance(o, dict)] == ["debounced"] * 2, outcomes
+    assert [r.get(timeout=30) for r in paced] == [0, 1, 2]
+    assert renewed.get(timeout=30)["lost"] is False and lost.get(timeout=30)["lost"] is True
+    with pytest.raises(sf.QueueTimeout):
+        timed_out.get(timeout=30)
+    fair_holder.get(timeout=30)
+
+    def counted() -> dict[str, float] | None:
+        values = scrape(port)
+        found = {name: sample(values, f"celery_singleflight_{name}", task=f"sfapp.{task}") for name, task in (
+            ("calls_folded_total", "debounced"), ("rate_limited_total", "rated"),
+            ("rate_limit_delay_seconds_sum", "rated"), ("leases_lost_total", "loses_lease"),
+            ("queue_timeouts_total", "fair_metered"))}
+        found["renewals_total"] = sample(values, "celery_singleflight_renewals_total")
+        done = (found["calls_folded_total"] == 2 and found["rate_limited_total"] == 2
+                and found["leases_lost_total"] == 1 and found["queue_timeouts_total"] == 1
+                and found["renewals_total"] >= 4)
+        return found if done else None
+
+    found = wait_for(counted, timeout=FLUSH_AFTER + 5)
+    assert 1.2 <= found["rate_limit_delay_seconds_sum"] <= 2.5, found  # 0.5 s + 1 s, give or take
+
+
+def test_runs_without_their_lease_redis_are_counted_by_mode(
+    sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
+) -> None:
+    """With the lease Redis down: a ``fail_open`` run runs unguarded and a ``fail_closed`` one is
+    sent again, each counted under its mode; the gauge says the Redis is down."""
+    dead = f"redis://127.0.0.1:{free_port()}/2"
+    worker, port = metrics_worker(env={"SF_TEST_LEASE_REDIS": dead, "SF_TEST_REDIS_RETRY": "0.5"})
+    assert sfapp.open_on_error.apply_async(("open",), queue=worker.queue).get(timeout=30) == "ran"
+    closed = sfapp.hold_raise.apply_async(("closed", 0.01), queue=worker.queue)
+    wait_for(lambda: closed.state == "RETRY", timeout=20)
+
+    def counted() -> bool:
+        values = scrape(port)
+        return (sample(values, "celery_singleflight_redis_unavailable_total", task="sfapp.open_on_error",
+                       mode="fail_open") == 1
+                and sample(values, "celery_singleflight_redis_unavailable_total", task="sfapp.hold_raise",
+                           mode="fail_closed") >= 1
+                and sample(values, "celery_singleflight_redis_up") == 0)
+
+    wait_for(counted, timeout=FLUSH_AFTER + 5)
+    closed.revoke()
+
+
 def test_counts_survive_pool_processes_replaced_after_every_task(
     sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
 ) -> None:
@@ -355,6 +427,40 @@ def test_a_flush_at_exit_waits_for_a_timer_write_in_flight(monkeypatch: pytest.M
         record.flush()  # the exit's flush
         assert labels("t", "skip")._value.get() == 1
         timer.join()
+    finally:
+        record.stop_recording()
+
+
+def test_a_fork_waits_for_a_write_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's main process counts too (its sweeper's queue timeouts) and forks new pool
+    processes: a fork must not happen halfway through a write, or the client's lock taken inside
+    it stays held in the child, whose first count then waits for ever. The child sees the write
+    done."""
+    import threading
+
+    from celery_singleflight.metrics import record
+
+    record.start_recording(None)
+    try:
+        family = record._families["leases_acquired"]
+        labels, taking = family.labels, threading.Event()
+
+        def slow_labels(*values: str) -> Any:
+            taking.set()
+            time.sleep(0.3)
+            return labels(*values)
+
+        monkeypatch.setattr(family, "labels", slow_labels)
+        record.count("leases_acquired", "t", "skip")
+        writer = threading.Thread(target=record.flush)
+        writer.start()
+        assert taking.wait(5)
+        pid = os.fork()
+        if pid == 0:  # the child: the write it was forked beside is whole
+            os._exit(0 if labels("t", "skip")._value.get() == 1 else 1)
+        _, status = os.waitpid(pid, 0)
+        writer.join()
+        assert os.waitstatus_to_exitcode(status) == 0
     finally:
         record.stop_recording()
 

@@ -10,8 +10,9 @@ Why counts wait in memory first: every run counts its take and its hold, and a w
 file (a lock, a process-id check, a pack per value) costs several times a dict update. Counts
 are added up here and written at most a second later (:data:`FLUSH_AFTER`), by the next count
 or a timer, and at once when the process exits (``worker_process_shutdown`` of a pool process,
-``atexit`` of the others): a process killed with SIGKILL loses at most its last second. Off,
-every call returns at its first line.
+``atexit`` of the others): a process killed with SIGKILL loses at most its last second. One
+write at a time, whole: an exit's flush waits for a timer's write in flight, and so does a fork.
+Off, every call returns at its first line.
 """
 
 from __future__ import annotations
@@ -186,11 +187,27 @@ def _forget() -> None:
     _writes.written = time.monotonic()
 
 
-def _after_fork() -> None:
+_fork_waited = [False]
+
+
+def _before_fork() -> None:
+    # no fork in the middle of a write: the client's own lock, taken inside it, would stay held
+    # in the child, and the child's first count would wait on it for ever (bounded: a fork from
+    # a signal handler that interrupted this thread's own write must not wait on itself)
+    _fork_waited[0] = _writing.acquire(timeout=2.0)
+
+
+def _after_fork_in_parent() -> None:
+    if _fork_waited[0]:
+        _writing.release()
+
+
+def _after_fork_in_child() -> None:
     global _lock, _writing
     _lock = threading.Lock()  # another thread of the parent may have held them at the fork
     _writing = threading.Lock()
     _forget()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
