@@ -580,23 +580,12 @@ def fair_timed(self, tenant, n, seconds=0.5):
     return f"{tenant}:{n}"
 
 
-# -- the metrics tests' series no duplicate moves (tests/test_metrics.py) ----------------------
-
-
-@app.task(bind=True, base=SingleFlightTask, lock_key="mdeb:<key>", debounce=0.5)
-def debounced(self, key, n=0):
-    """A burst of calls becomes one run, 0.5 s after the last, with the last call's payload."""
-    return n
-
-
-@app.task(bind=True, base=SingleFlightTask, lock_key="mrate:<key>", key_rate_limit="2/s", key_rate_burst=1,
-          max_concurrency=4)
-def rated(self, key, n=0):
-    return n
+# -- the metrics tests' queue timeout (tests/test_metrics.py); not shared, so that another app
+# finalized later (the Django site's) does not build it under its own defaults --------------------
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="mft:<key>:<n>", fair_key="<key>", fair_concurrency=1,
-          queue_timeout=0.5)
+          queue_timeout=0.5, shared=False)
 def fair_metered(self, key, n, seconds=0.05):
     time.sleep(seconds)
     return n

@@ -28,30 +28,35 @@ def site() -> Iterator[SimpleNamespace]:
     """Django set up on the site's settings, on a private Redis, with a worker of the site."""
     saved = {name: os.environ.get(name) for name in ("REDIS_URL", "DJANGO_SETTINGS_MODULE")}
     previous_app = current_app._get_current_object()
+    worker: WorkerProcess | None = None
     with RedisServer() as server:
-        os.environ.update(REDIS_URL=server.url, DJANGO_SETTINGS_MODULE="mysite.settings")
-        sys.path.insert(0, str(SITE))
-        import django
-
-        django.setup()
-        from django.test import Client
-        from mysite import celery_app
-        from reports.tasks import build_report
-
-        celery_app.set_current()  # what the shared_task proxy and celery-progress's view use
-        worker = WorkerProcess("mysite", concurrency=2, cwd=str(SITE), env={
-            "REDIS_URL": server.url, "DJANGO_SETTINGS_MODULE": "mysite.settings",
-            "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]),
-        })
+        # everything set here is undone however the set-up ends: a DJANGO_SETTINGS_MODULE left
+        # behind would make every later worker of the session a Django one
         try:
+            os.environ.update(REDIS_URL=server.url, DJANGO_SETTINGS_MODULE="mysite.settings")
+            sys.path.insert(0, str(SITE))
+            import django
+
+            django.setup()
+            from django.test import Client
+            from mysite import celery_app
+            from reports.tasks import build_report
+
+            celery_app.set_current()  # what the shared_task proxy and celery-progress's view use
+            worker = WorkerProcess("mysite", concurrency=2, cwd=str(SITE), env={
+                "REDIS_URL": server.url, "DJANGO_SETTINGS_MODULE": "mysite.settings",
+                "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]),
+            })
             worker.start(celery_app)
             yield SimpleNamespace(app=celery_app, client=Client(), task=build_report, redis=server)
         finally:
-            worker.stop(timeout=15)
-            worker.kill()
-            worker.cleanup()
+            if worker is not None:
+                worker.stop(timeout=15)
+                worker.kill()
+                worker.cleanup()
             previous_app.set_current()
-            sys.path.remove(str(SITE))
+            if str(SITE) in sys.path:
+                sys.path.remove(str(SITE))
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)

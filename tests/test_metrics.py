@@ -1,9 +1,10 @@
 """Prometheus metrics: a real Prometheus server scrapes a real worker's exporter while each
 policy runs, and the counts it stores are the runs and duplicates that happened; the series no
-duplicate moves (debounce, rate limit, a lost lease, renewals, a queue timeout, a Redis down)
-count what real runs did; a prefork worker whose pool processes are replaced after every task
-loses no count, nor does a flush or a fork beside a write in flight; the gauges read from Redis
-show a held key and its parked runs; the standalone exporter serves the same."""
+duplicate moves (a lost lease, renewals, a queue timeout, a Redis down; the time policies' in
+tests/time/test_time_metrics.py) count what real runs did; a prefork worker whose pool
+processes are replaced after every task loses no count, nor does a flush or a fork beside a
+write in flight; the gauges read from Redis show a held key and its parked runs; the standalone
+exporter serves the same."""
 
 from __future__ import annotations
 
@@ -206,15 +207,16 @@ def test_prometheus_scrapes_retry_coalesce_and_supersede(
     queue = worker.queue
     key = uuid.uuid4().hex[:8]
     # retry: the duplicate retries until the holder is done, then runs
-    holder = sfapp.hold_retry.apply_async((f"t{key}", 2.0), queue=queue)
+    holder = sfapp.hold_retry.apply_async((f"t{key}", 3.0), queue=queue)
     wait_for(lambda: held(sfapp.hold_retry, f"t{key}"))
     retried = sfapp.hold_retry.apply_async((f"t{key}",), queue=queue)
     # coalesce: two duplicates while the holder runs; the second replaces the first as the pending run
-    co_holder = sfapp.coalesced.apply_async((f"c{key}", 0, 2.0), queue=queue)
+    co_holder = sfapp.coalesced.apply_async((f"c{key}", 0, 4.0), queue=queue)
     wait_for(lambda: held(sfapp.coalesced, f"c{key}", 0))
     co_first = sfapp.coalesced.apply_async((f"c{key}", 1), queue=queue)
     wait_for(lambda: co_first.state == "QUEUED")
     co_last = sfapp.coalesced.apply_async((f"c{key}", 2), queue=queue)
+    wait_for(lambda: co_last.state == "QUEUED")
     # supersede: a newer run takes the key over from the holder, which stops at its next check
     old = sfapp.superseding.apply_async((f"u{key}", 0, 10.0), queue=queue)
     wait_for(lambda: held(sfapp.superseding, f"u{key}", 0))
@@ -239,25 +241,22 @@ def test_prometheus_scrapes_retry_coalesce_and_supersede(
     for task in ("hold_retry", "coalesced", "superseding"):  # the holder and the run after it
         assert _value(query, f'{acquired}{{task="sfapp.{task}"}}') == 2, task
     assert _value(query, 'celery_singleflight_leases_taken_over_total{task="sfapp.superseding"}') == 1
-    # the retried run waited for the key from its first attempt, about the holder's 2 s
+    # the retried run waited for the key from its first attempt, about the holder's 3 s
     assert _value(query, 'celery_singleflight_wait_seconds_count{task="sfapp.hold_retry"}') == 1
-    assert _value(query, 'celery_singleflight_wait_seconds_sum{task="sfapp.hold_retry"}') >= 1.0
+    assert _value(query, 'celery_singleflight_wait_seconds_sum{task="sfapp.hold_retry"}') >= 2.0
 
 
-def test_the_time_policies_losses_renewals_and_queue_timeouts_are_counted(
+def test_losses_renewals_and_queue_timeouts_are_counted(
     sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]], redis_server: Any,
 ) -> None:
-    """The series no duplicate moves, each from a real run: calls folded by a debounce, runs
-    delayed by a key's rate limit (and the delay), a lease lost, renewals, a queue timeout."""
+    """Series no duplicate moves, each from a real run: a lease lost, renewals, a queue timeout
+    (the time policies' are in tests/time/test_time_metrics.py). The fair holder runs six times
+    the queue_timeout, room for a loaded machine."""
     worker, port = metrics_worker(concurrency=4)
     queue = worker.queue
     key = uuid.uuid4().hex[:8]
-    # a debounced burst of three: one run, two calls folded into it
-    burst = [sfapp.debounced.apply_async((key, n), queue=queue) for n in range(3)]
-    # three at once on a key allowed 2/s with a burst of 1: two wait, 0.5 s and 1 s
-    paced = [sfapp.rated.apply_async((key, n), queue=queue) for n in range(3)]
-    # a fair slot held 2.5 s: the run behind it waits past its 0.5 s queue_timeout
-    fair_holder = sfapp.fair_metered.apply_async((key, 0, 2.5), queue=queue)
+    # a fair slot held 3 s: the run behind it waits past its 0.5 s queue_timeout
+    fair_holder = sfapp.fair_metered.apply_async((key, 0, 3.0), queue=queue)
     wait_for(lambda: sfapp.fair_metered.fair_status().running, timeout=15)
     timed_out = sfapp.fair_metered.apply_async((key, 1), queue=queue)
     # a lease renewed for 4.5 s (a TTL of 1.5 s), and one deleted behind its holder's back
@@ -266,10 +265,6 @@ def test_the_time_policies_losses_renewals_and_queue_timeouts_are_counted(
     wait_for(lambda: sfapp.recorder.get(f"started:l{key}"), timeout=15)
     redis_server.client(2).delete(sfapp.loses_lease.store.layout.run(sfapp.loses_lease.render_key(f"l{key}")))
 
-    outcomes = [r.get(timeout=30) for r in burst]
-    assert [o for o in outcomes if not isinstance(o, dict)] == [2], outcomes  # the last call's payload
-    assert [o["singleflight"] for o in outcomes if isinstance(o, dict)] == ["debounced"] * 2, outcomes
-    assert [r.get(timeout=30) for r in paced] == [0, 1, 2]
     assert renewed.get(timeout=30)["lost"] is False and lost.get(timeout=30)["lost"] is True
     with pytest.raises(sf.QueueTimeout):
         timed_out.get(timeout=30)
@@ -278,17 +273,12 @@ def test_the_time_policies_losses_renewals_and_queue_timeouts_are_counted(
     def counted() -> dict[str, float] | None:
         values = scrape(port)
         found = {name: sample(values, f"celery_singleflight_{name}", task=f"sfapp.{task}") for name, task in (
-            ("calls_folded_total", "debounced"), ("rate_limited_total", "rated"),
-            ("rate_limit_delay_seconds_sum", "rated"), ("leases_lost_total", "loses_lease"),
-            ("queue_timeouts_total", "fair_metered"))}
+            ("leases_lost_total", "loses_lease"), ("queue_timeouts_total", "fair_metered"))}
         found["renewals_total"] = sample(values, "celery_singleflight_renewals_total")
-        done = (found["calls_folded_total"] == 2 and found["rate_limited_total"] == 2
-                and found["leases_lost_total"] == 1 and found["queue_timeouts_total"] == 1
+        return (found["leases_lost_total"] == 1 and found["queue_timeouts_total"] == 1
                 and found["renewals_total"] >= 4)
-        return found if done else None
 
-    found = wait_for(counted, timeout=FLUSH_AFTER + 5)
-    assert 1.2 <= found["rate_limit_delay_seconds_sum"] <= 2.5, found  # 0.5 s + 1 s, give or take
+    wait_for(counted, timeout=FLUSH_AFTER + 5)
 
 
 def test_runs_without_their_lease_redis_are_counted_by_mode(
@@ -324,11 +314,13 @@ def test_counts_survive_pool_processes_replaced_after_every_task(
     results = [sfapp.plain.apply_async((f"{key}-{n}",), queue=worker.queue) for n in range(12)]
     for result in results:
         result.get(timeout=30)
-    holder = sfapp.hold_skip.apply_async((f"s{key}", 3.0), queue=worker.queue)
+    # the holder outlasts the duplicate's decision however slowly the pool makes the process
+    # that takes it (a new one per task: under load that took seconds); it is not counted
+    holder = sfapp.hold_skip.apply_async((f"s{key}", 60.0), queue=worker.queue)
     wait_for(lambda: held(sfapp.hold_skip, f"s{key}"))
     skipped = sfapp.hold_skip.apply_async((f"s{key}",), queue=worker.queue)
-    skipped.get(timeout=30)
-    holder.get(timeout=30)
+    assert skipped.get(timeout=30)["singleflight"] == "skipped"
+    holder.revoke(terminate=True, signal="SIGKILL")
     # each pool process writes its counts as it exits (its timer thread dies with it): none lost
     def all_counted() -> bool:
         values = scrape(port)

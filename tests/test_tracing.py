@@ -167,10 +167,14 @@ def test_a_duplicate_links_to_the_holders_span(app: Celery, exporter: InMemorySp
     wait_for(lambda: _spans(exporter, tracing.ACQUIRE, rendered))
     dup = task.delay(key, 2)
     decision = wait_for(lambda: _spans(exporter, tracing.DUPLICATE, rendered))[0]
+    # the duplicate's deciding run ends before the holder is let go: a parked (or pending) run is
+    # sent again under the same task id when the holder releases, and the instrumentation keeps a
+    # run's span by task id, so two runs of one id at once would swap their spans
+    dup_run = _run_span(exporter, dup.id)
     _gate(key).set()
     first = holder.get(timeout=20)
     ended = dup.get(timeout=20)
-    holder_run, dup_run = _run_span(exporter, holder.id), _run_span(exporter, dup.id)
+    holder_run = _run_span(exporter, holder.id)
     assert holder_run.context is not None and dup_run.context is not None
     assert dup_run.context.trace_id != holder_run.context.trace_id  # two traces: only a link joins them
 

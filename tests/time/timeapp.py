@@ -24,6 +24,10 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_connection_retry_on_startup=True,
     result_expires=600,
+    # the metrics test of the time policies (tests/time/test_time_metrics.py)
+    singleflight_metrics=os.environ.get("SF_TEST_METRICS_PORT") is not None,
+    singleflight_metrics_port=int(os.environ.get("SF_TEST_METRICS_PORT") or 0) or None,
+    singleflight_metrics_dir=os.environ.get("SF_TEST_METRICS_DIR"),
 )
 
 recorder = redis.Redis.from_url(f"{BASE}/3")
