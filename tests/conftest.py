@@ -28,6 +28,23 @@ ROOT = TESTS.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used real workers shows the end of each one's log: a worker that stopped
+    answering says why there, and nowhere else."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    args = getattr(item, "funcargs", {})
+    workers = [args.get("shared_worker"), *getattr(args.get("start_worker"), "workers", ())]
+    for worker in workers:
+        if isinstance(worker, WorkerProcess):
+            with contextlib.suppress(OSError):
+                tail = "\n".join(worker.log().splitlines()[-60:])
+                report.sections.append((f"log of worker {worker.hostname} (last 60 lines)", tail))
+
+
 @pytest.fixture(scope="session")
 def redis_server(singleflight_redis: RedisServer) -> RedisServer:
     return singleflight_redis
@@ -81,6 +98,7 @@ def start_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Calla
         started.append(worker)
         return worker.start(sfapp.app if wait else None)
 
+    start.workers = started  # type: ignore[attr-defined]  # for the failure report's logs
     yield start
     for worker in started:
         worker.stop(timeout=15)
