@@ -60,3 +60,29 @@ def test_processes_started_by_a_killed_test_run_stop_with_it(redis_server: Redis
         for pid in locals().get("server_pid"), locals().get("worker_pid"):
             if isinstance(pid, int) and not _gone(pid):
                 os.kill(pid, signal.SIGKILL)  # only the processes this test started
+
+
+def test_a_server_whose_picked_port_was_taken_meanwhile_starts_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port is free when it is picked and may be taken (by another test's process) before the
+    server binds it: the server's first start then picks another. A port given is kept."""
+    import socket
+
+    from celery_singleflight.testing import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy, free_port()])
+        monkeypatch.setattr(RedisServer, "fresh_port", classmethod(lambda cls: next(picks)))
+        server = RedisServer()
+        assert server.port == busy
+        try:
+            server.start()
+            assert server.port != busy and server.client().ping()
+        finally:
+            server.close()
+        with pytest.raises(RuntimeError, match=f"did not start on port {busy}"):
+            RedisServer(port=busy).start()

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = ["RedisServer", "WorkerProcess", "free_port", "redis_server_binary", "singleflight_redis"]
 
@@ -62,6 +64,10 @@ def _child_setup() -> Callable[[], None] | None:
     return _stop_with_parent
 
 
+#: a probe asks once: a retry with backoff (redis-py 6+'s default) outlasts a start's deadline
+NO_RETRY = Retry(NoBackoff(), 0)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
@@ -92,7 +98,10 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None, extra: Sequence[str] = ()):
-        self.port = port or free_port()
+        #: a port this server picked may be taken by another process before the server binds it:
+        #: its first start then tries another (a port given, or a restart, keeps its port)
+        self._may_move = port is None
+        self.port = port or self.fresh_port()
         self.binary = binary or redis_server_binary()
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -113,11 +122,28 @@ class RedisServer:
             *self.extra,
         ]
 
+    @classmethod
+    def fresh_port(cls) -> int:
+        """A port for a new server (subclasses with more ports to keep free choose otherwise)."""
+        return free_port()
+
     def probe(self) -> redis.Redis:
         """A short-timeout client that tells when the server answers."""
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=1.0,
+                           retry=NO_RETRY)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        for attempt in range(3):
+            if self._start_once(timeout):
+                self._may_move = False
+                return self
+            if not self._may_move or attempt == 2:
+                break
+            self.port = self.fresh_port()  # taken since it was picked (by another test's process)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _start_once(self, timeout: float) -> bool:
+        """Start the server; False if it exited at once (its port taken), an error if it hangs."""
         args = self.command()
         # its own session: a Ctrl-C in the terminal reaches the process that started it, which
         # stops the server after whatever still uses it (workers), not the server first
@@ -125,17 +151,19 @@ class RedisServer:
                                      start_new_session=True, preexec_fn=_child_setup())
         deadline = time.monotonic() + timeout
         probe = self.probe()
-        while True:
+        while self.proc.poll() is None:
             try:
-                probe.ping()
-                break
+                # the answer must be this server's, not another's that holds the port
+                if int(probe.info("server").get("process_id", 0)) == self.proc.pid:
+                    return True
             except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.02)
+                pass
             finally:
                 probe.close()
-        return self
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.02)
+        return False
 
     def kill(self) -> None:
         """SIGKILL the server: everything it held is gone."""

@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from . import RedisServer, _child_setup, redis_server_binary, stop_process
+from . import NO_RETRY, RedisServer, _child_setup, redis_server_binary, stop_process
 
 __all__ = [
     "RedisClusterServers", "SentinelGroup", "TlsFiles", "TlsRedisServer", "cluster_port", "make_tls_files",
@@ -95,8 +95,9 @@ class TlsRedisServer(RedisServer):
                            ssl_certfile=self.tls.cert, ssl_keyfile=self.tls.key)
 
     def probe(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, ssl=True,
-                           ssl_ca_certs=self.tls.ca, ssl_certfile=self.tls.cert, ssl_keyfile=self.tls.key)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2, socket_timeout=1.0,
+                           retry=NO_RETRY, ssl=True, ssl_ca_certs=self.tls.ca, ssl_certfile=self.tls.cert,
+                           ssl_keyfile=self.tls.key)
 
 
 def _free(port: int) -> bool:
@@ -118,6 +119,10 @@ def cluster_port() -> int:
 
 
 class _ClusterNode(RedisServer):
+    @classmethod
+    def fresh_port(cls) -> int:
+        return cluster_port()
+
     def command(self) -> list[str]:
         return [*super().command(), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", "3000", "--cluster-require-full-coverage", "yes"]
@@ -132,7 +137,7 @@ class RedisClusterServers:
 
     def __init__(self, masters: int = 3, extra: tuple[str, ...] = (), replicas: int = 0) -> None:
         self.replicas = replicas
-        self.nodes = [_ClusterNode(port=cluster_port(), extra=extra) for _ in range(masters * (1 + replicas))]
+        self.nodes = [_ClusterNode(extra=extra) for _ in range(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
