@@ -59,6 +59,26 @@ def test_a_light_tenant_is_served_in_turn_behind_a_heavy_burst(
 
 
 @pytest.mark.worker
+def test_a_copy_of_a_running_runs_message_is_dropped(sfapp: ModuleType, start_worker: object) -> None:
+    """Given a fair run holding its slot and the other slot held too, when a second copy of its
+    message arrives (a broker's redelivery, or a hand-on sent twice), then the copy is dropped:
+    the running run's state is not overwritten with a FAILURE, and it ends with its own result,
+    having run once."""
+    worker = start_worker(concurrency=4)  # type: ignore[operator]
+    q = worker.queue
+    running = sfapp.fair_job.apply_async(("A", 0, 3.0), queue=q)
+    other = sfapp.fair_job.apply_async(("B", 0, 3.0), queue=q)
+    wait_for(lambda: sfapp.recorder.llen("fair:started") == 2, timeout=15)
+    copy = sfapp.fair_job.apply_async(("A", 0, 3.0), queue=q, task_id=running.id)
+    assert copy.id == running.id
+    wait_for(lambda: "copy of its message is dropped" in worker.log() or "LockHeld" in worker.log(),
+             timeout=15)
+    assert running.state != "FAILURE"
+    assert running.get(timeout=15) == "A:0" and other.get(timeout=15) == "B:0"
+    assert sum(1 for s in sfapp.recorder.lrange("fair:started", 0, -1) if s.startswith(b"A:0:")) == 1
+
+
+@pytest.mark.worker
 def test_weight_two_gets_twice_the_share(sfapp: ModuleType, start_worker: object) -> None:
     q = start_worker(concurrency=4).queue  # type: ignore[operator]
     first = [sfapp.fair_job.apply_async(("block", n, 0.3), queue=q) for n in range(2)]

@@ -26,7 +26,7 @@ from .. import constants, signals
 from ..config.option import Option, OptionGroup, Resolving, anything, count, seconds
 from ..errors import ConfigurationError, LockHeld, QueueTimeout
 from ..keys import KeyFunction, compile_key
-from ..protocol.fair import Waiting, fair_token, gate_key
+from ..protocol.fair import Admitted, Waiting, fair_token, gate_key
 from ..protocol.replies import Acquired, Holder
 from ..run.guard import Guard
 from ..run.messages import (
@@ -178,7 +178,15 @@ class FairShare(Stage):
                          task.name, run.task_id)
                 raise Ignore()
             # a countdown message, or a slot taken meanwhile: it waits (a free slot: take again)
-            if self.wait(task, run.task_id, token, fair, keeps_result, message):
+            found = self.wait(task, run.task_id, token, fair, keeps_result, message)
+            if isinstance(found, Waiting):
+                raise Ignore()
+            if found.slot < 0:
+                # this message's run took its slot and still holds it (ACQUIRE answers a copy only
+                # once that lease is gone): a second copy of the message, sent while it runs, ends
+                # here, not in LockHeld stored over the running run's result
+                log.info("%s[%s]: this run holds its fair slot; this copy of its message is dropped",
+                         task.name, run.task_id)
                 raise Ignore()
         else:
             raise LockHeld(self.gate, None, None)  # as a lock key that keeps changing hands
@@ -193,27 +201,29 @@ class FairShare(Stage):
         return None
 
     def wait(self, task: Any, task_id: str, token: str, fair: str, keeps_result: bool,
-             message: Callable[[], str]) -> bool:
-        """Park a run at the gate, from the main process or the pool process: True once parked (or
-        parked before), False if a slot was free and is now reserved for it (take it).
+             message: Callable[[], str]) -> Waiting | Admitted:
+        """Park a run at the gate, from the main process or the pool process: :class:`Waiting` once
+        parked (or parked before); :class:`Admitted` if a slot was free and is now reserved for it
+        (take it), or slot -1 if its token took a slot before.
 
         ``QUEUED`` is stored before the run is parked: once parked it may be handed a slot, run
         and store its result at once. So a run whose result is kept asks first (``dry``), and
         ``message`` (the run's own, to send when its turn comes) is built only to park it."""
         store, opts = task.store, self.opts
+        found: Waiting | Admitted
         call = (self.gate, opts.fair_concurrency, task_id, token)
         weight = weight_of(opts, fair)
         if keeps_result:
             found = store.fair.enter(*call, "", fair, weight, opts.ttl, dry=True)
             if not isinstance(found, Waiting) or found.parked:
-                return isinstance(found, Waiting)
+                return found
             task.backend.store_result(task_id, queued_meta(self.gate, fair, found), QUEUED)
         found = store.fair.enter(*call, message(), fair, weight, opts.ttl)
         if not isinstance(found, Waiting):
-            return False
+            return found
         log.debug("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id,
                   found.position, fair)
-        return True
+        return found
 
     def finish(self, run: Run, outcome: str) -> None:
         guard = run.notes.pop(FairShare, None)

@@ -27,7 +27,7 @@ from celery.app.task import Context
 from celery.worker.strategy import default
 
 from ..policies.fair import RESENT_HEADERS, FairShare
-from ..protocol.fair import fair_token
+from ..protocol.fair import Waiting, fair_token
 from ..run.messages import HEADER_FAIR_WAITED, message_of
 from .registry import is_guarded
 
@@ -87,7 +87,8 @@ def park(task: Any, stage: FairShare, message: Any) -> bool:
         parked_at = repr(mod_time.time())
         return message_of(task, tuple(args), dict(kwargs), request, **{HEADER_FAIR_WAITED: parked_at})
 
-    return stage.wait(task, task_id, token, stage.fair_key(args, kwargs), keeps_result, body)
+    found = stage.wait(task, task_id, token, stage.fair_key(args, kwargs), keeps_result, body)
+    return isinstance(found, Waiting)
 
 
 def _request(message: Any, headers: dict[str, Any], args: Any, kwargs: Any, embed: Any) -> Any:
