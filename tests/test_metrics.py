@@ -133,6 +133,13 @@ def _value(query: Callable[[str], list[dict[str, Any]]], expr: str) -> float:
     return sum(float(r["value"][1]) for r in result)
 
 
+def _scraped_after_every_count(query: Callable[[str], list[dict[str, Any]]]) -> None:
+    """Every run has ended: wait for a scrape from after their counts were written (a process
+    writes what it counted within FLUSH_AFTER)."""
+    ended = time.time() + FLUSH_AFTER
+    wait_for(lambda: _value(query, "timestamp(up)") > ended + 0.1, timeout=20, interval=0.2)
+
+
 def test_prometheus_scrapes_what_each_policy_did(
     sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
     prometheus: Callable[[int], Callable[[str], list[dict[str, Any]]]],
@@ -166,10 +173,7 @@ def test_prometheus_scrapes_what_each_policy_did(
         with pytest.raises(Exception, match="held"):
             result.get(timeout=30)
 
-    # every run has ended: wait for a scrape from after its counts were written (a process
-    # writes what it counted within FLUSH_AFTER)
-    ended = time.time() + FLUSH_AFTER
-    wait_for(lambda: _value(query, "timestamp(up)") > ended + 0.1, timeout=20, interval=0.2)
+    _scraped_after_every_count(query)
     name = "celery_singleflight_duplicates_total"
     for task, policy, outcome, expected in (
             ("hold_skip", "skip", "skipped", 3), ("hold_raise", "raise", "raised", 2),
@@ -228,8 +232,7 @@ def test_prometheus_scrapes_retry_coalesce_and_supersede(
     assert old.state == "FAILURE" and newer.state == "SUCCESS", (old.state, newer.state)
     assert sf.is_coalesced(co_first.get()) and co_last.get() == 2
 
-    ended = time.time() + FLUSH_AFTER
-    wait_for(lambda: _value(query, "timestamp(up)") > ended + 0.1, timeout=20, interval=0.2)
+    _scraped_after_every_count(query)
     name = "celery_singleflight_duplicates_total"
     # one count per retry: the duplicate retried at least once
     assert _value(query, f'{name}{{task="sfapp.hold_retry",policy="retry",outcome="retry"}}') >= 1
