@@ -159,6 +159,31 @@ def test_waiting_runs_hold_no_pool_process(sfapp: ModuleType, start_worker: obje
 
 
 @pytest.mark.worker
+def test_a_freed_slot_is_handed_on_past_the_task_queues_backlog(
+    sfapp: ModuleType, start_worker: object
+) -> None:
+    """Given both fair slots held, a run of tenant B parked, and 80 other messages of 0.2 s sent
+    to the task's queue behind it, when a slot frees, B's run starts within a couple of seconds:
+    the hand-on goes to the worker's own queue, which nothing else fills. Sent to the task's
+    queue it would wait behind most of the backlog (16 s of runs on 3 processes)."""
+    worker = start_worker(concurrency=3, extra=("--prefetch-multiplier", "1"))  # type: ignore[operator]
+    q = worker.queue
+    holders = [sfapp.fair_job.apply_async(("A", n, 1.5), queue=q) for n in range(2)]
+    wait_for(lambda: sfapp.recorder.llen("fair:started") == 2, timeout=15)
+    light = sfapp.fair_job.apply_async(("B", 0, 0.01), queue=q)
+    wait_for(lambda: light.state == states.QUEUED, timeout=15)
+    tag = uuid.uuid4().hex[:8]
+    for n in range(80):
+        sfapp.sleeper.apply_async((f"backlog-{tag}-{n}", 0.2), queue=q)
+    assert light.get(timeout=60) == "B:0"
+    assert [r.get(timeout=30) for r in holders] == ["A:0", "A:1"]
+    starts = {(t, n): at for t, n, at in started(sfapp)}
+    late = starts[("B", 0)] - (min(starts[("A", 0)], starts[("A", 1)]) + 1.5)
+    assert late < 2.5, f"B's run started {late:.2f}s after the first slot freed"
+    assert len(sfapp.recorder.lrange(f"runs:backlog-{tag}-79", 0, -1)) == 0  # the backlog was still there
+
+
+@pytest.mark.worker
 def test_a_worker_killed_with_runs_parked_loses_none(sfapp: ModuleType, start_worker: object) -> None:
     """Given two running runs (one of them handed its slot after it waited) and eight parked,
     when the whole worker is SIGKILLed, a new worker runs every parked run exactly once (the

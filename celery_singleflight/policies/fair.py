@@ -230,7 +230,9 @@ class FairShare(Stage):
         if guard is None or guard.lease is None:
             return
         lease = guard.lease
-        settlement = guard.end(outcome if outcome != "retried" else "ended")
+        # the run handed this slot goes to this worker's own queue: the pool process that ran
+        # this one is free for it, and the task's queue may hold a backlog still being parked
+        settlement = guard.end(outcome if outcome != "retried" else "ended", here=True)
         if settlement is None or settlement.handoff is None:
             return  # nobody waits: no ETA to give (and one round trip saved)
         try:

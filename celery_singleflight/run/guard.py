@@ -228,13 +228,14 @@ class Guard:
         return exc.seconds, f"{lease.task_id}|{handoff}", message
 
     def end(self, outcome: str, *, result: Any = NO_RESULT, error: BaseException | None = None,
-            answer_joined: bool = True) -> Settlement | None:
+            answer_joined: bool = True, here: bool = False) -> Settlement | None:
         """Release once (later calls do nothing) and settle what the release hands back.
 
         ``outcome``: succeeded, failed, retried, ignored, rejected, terminated, ...; ``lost`` is
         recorded instead when the lease was found gone. ``result``/``error`` go to joined runs (a
         retry's ``error``, its ``Retry``: a :class:`RetryAfter` pauses the key and parks the run);
-        ``answer_joined=False`` (a retry) leaves them for the next run. A Redis error is logged
+        ``answer_joined=False`` (a retry) leaves them for the next run; ``here``: a run handed the
+        freed slot is sent to this worker's own queue (:mod:`.ownqueue`). A Redis error is logged
         (the key then frees when its lease runs out); None is returned then.
         """
         lease = self.lease
@@ -275,5 +276,5 @@ class Guard:
                 span.released(outcome, lease.fence, settlement)
             settle(self.app, settlement, Ending(self.key, self.sender, lease.task_id, outcome, result=result,
                                                 error=error, lease=lease,
-                                                rerun_joined=not self.computes_result))
+                                                rerun_joined=not self.computes_result, here=here))
         return settlement

@@ -33,6 +33,7 @@ from ..metrics import record as metrics
 from ..protocol.replies import Settlement
 from .events import send_task_event
 from .messages import HEADER_HANDED, rejoined
+from .ownqueue import own_queue
 
 __all__ = ["NO_RESULT", "Ending", "answer_joined", "send_parked", "settle"]
 
@@ -63,6 +64,8 @@ class Ending:
     lease: Any = None
     signal: bool = True
     rerun_joined: bool = False
+    #: the handed-on run goes to this worker's own queue, if it has one (a fair slot freed here)
+    here: bool = False
 
     def answer(self) -> tuple[Any, BaseException | None]:
         """(result, error) for the joined runs: the result only if the run succeeded with one.
@@ -80,7 +83,7 @@ class Ending:
 def settle(app: Any, settlement: Settlement, ending: Ending) -> None:
     """Send the handed-on parked run, answer the joined runs, then log and signal the release."""
     if settlement.handoff is not None:
-        send_parked(app, settlement.handoff, ending.key)
+        send_parked(app, settlement.handoff, ending.key, here=ending.here)
     if settlement.joined and ending.rerun_joined:
         for message in settlement.joined:
             send_parked(app, rejoined(message), ending.key)
@@ -95,12 +98,19 @@ def settle(app: Any, settlement: Settlement, ending: Ending) -> None:
             metric_hooks.released(ending.sender, ending.lease)
 
 
-def send_parked(app: Any, message: str, key: str) -> None:
-    """Send the message of a parked run that was just handed ``key``."""
+def send_parked(app: Any, message: str, key: str, *, here: bool = False) -> None:
+    """Send the message of a parked run that was just handed ``key``: to the task's queue, or
+    with ``here`` to this worker's own queue if it has one (:mod:`.ownqueue`)."""
     try:
         data = json.loads(message)
         options = data.setdefault("options", {})
         options["headers"] = {**(options.get("headers") or {}), HEADER_HANDED: mod_time.time()}
+        queue = own_queue() if here else None
+        if queue is not None:
+            # the route it came by would win over the queue's: only the queue routes it
+            for name in ("exchange", "routing_key", "queue"):
+                options.pop(name, None)
+            options["queue"] = queue
         Signature.from_dict(data, app=app).apply_async()
     except Exception as exc:  # noqa: BLE001 - the reservation runs out and the sweeper hands it on again
         log_queue.error("could not send the next parked run for key=%r (it is handed on again once its"

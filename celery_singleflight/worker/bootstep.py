@@ -10,6 +10,8 @@ runs it) and connects two receivers once per process; ``base=SingleFlightTask`` 
   in ``app.conf``), check the app as a whole (``join`` needs a result backend) and run the start
   checks against each lease Redis (:mod:`.preflight`).
   A refusal stops the worker with one sentence.
+- **Fair tasks**: the worker also consumes its own queue (``<node name>.dq2``), where a fair
+  slot freed in this worker is handed on (:mod:`..run.ownqueue`).
 - **Metrics** (``singleflight_metrics``): counting starts in the main process before the pool
   forks, so that every pool process counts into the same directory (:mod:`..metrics`).
 - **Each process that runs tasks** (a prefork child as it starts, or the main process of a solo
@@ -49,6 +51,7 @@ from ..run.events import send_task_event, set_worker_sends_task_events
 from ..run.guard import options_store
 from ..run.heartbeat import heartbeat_for
 from ..run.lease import process_alive
+from ..run.ownqueue import consume_own_queue
 from ..run.settle import Ending, answer_orphaned_joined, settle
 from .copies import copy_sweeps, forget_revoked, note_received
 from .pools import check_pool, pool_name
@@ -128,6 +131,8 @@ class SingleFlightStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery
             check_worker_app(app)
             run_at_worker_start(app, parent)  # raises only for a refusal (ConfigurationError)
             start_worker_metrics(app)  # before the pool forks: its processes count too
+            if any(isinstance(task.pipeline.stage(FairShare), FairShare) for task in guarded_tasks(app)):
+                consume_own_queue(app, parent.hostname)  # before the pool forks and the consumer starts
         except ConfigurationError as exc:
             logging.getLogger("celery_singleflight").critical("%s", exc)
             raise SystemExit(f"celery_singleflight: {exc}") from exc
