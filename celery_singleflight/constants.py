@@ -14,7 +14,8 @@ __all__ = [
     "CLIENT_RETRIES", "CONNECT_TIMEOUT", "DEBOUNCE_CLOSED_KEEP", "DEBOUNCE_GRACE", "DEBOUNCE_LEADER_EARLY",
     "DELAYING_OPTIONS",
     "DELAYED_GRACE", "DELAYED_KEEP",
-    "FAIR_KEEP", "FAIR_TIMES_KEPT", "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
+    "FAIR_INDEXED_FRESH", "FAIR_KEEP", "FAIR_TIMES_KEPT",
+    "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
     "HEARTBEAT_ERROR_RETRY", "HOLD_FIRST_DELAY", "HOLD_MAX_DELAY", "HOLD_MIN_DELAY", "LEASE_MARGIN",
     "JOURNAL_COMPACT",
     "LEASE_MARGIN_SHARE", "LOST_KEPT", "LOST_RUN_GRACE", "LUA_CONSTANTS", "MAX_CLOCK_SKEW", "NEWEST_KEEP",
@@ -68,6 +69,10 @@ ADOPTED_KEEP = 3600.0
 FAIR_KEEP = 86_400.0
 #: how many recent run times a fair gate keeps for its waiters' ETA
 FAIR_TIMES_KEPT = 20
+#: a process that entered a fair gate in the waiting index this recently (seconds), as soon or
+#: sooner, does not enter it again for a run parked behind others (it is there: its queue was
+#: not empty): a burst is parked at one round trip per run, not two
+FAIR_INDEXED_FRESH = 1.0
 #: how long the book of a key's newest pending run outlives its last change
 NEWEST_KEEP = 86_400.0
 #: how long the order book of a key outlives its last change

@@ -16,6 +16,7 @@ import celery_singleflight as sf
 from celery_singleflight import QueueTimeout, RunLost, states
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.protocol.fair import Admitted, Waiting
+from celery_singleflight.protocol.handoff import WAITING
 from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
@@ -248,6 +249,42 @@ def test_fair_enter_run_twice_answers_the_same(redis_server: RedisServer) -> Non
                               Acquired)
         assert served == ["a1", "b1", "a2", "b2", "a3", "a4"]
         assert store.handoff.queued(gate) == 0
+
+
+def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_burst() -> None:
+    """Given both slots held, a burst of 20 runs parked by one process enters the gate in the
+    waiting index once, not 20 times (a run parked behind others finds it there); once the queue
+    empties and the sweeper drops the gate, the next run parked enters it again at once (within
+    the same second), so that a dead holder's slot is still handed on."""
+    with RedisServer() as server:
+        store = _store(f"{server.url}/2")
+        client, gate, fair = store.ctx.client, "fair:t", store.fair
+        index = store.ctx.layout.index(WAITING)
+        writes: list[str] = []
+        zadd = client.zadd
+
+        def counted(name: str, mapping: dict[str, int], **kw: object) -> object:
+            writes.extend(mapping)
+            return zadd(name, mapping, **kw)  # type: ignore[arg-type]
+
+        client.zadd = counted  # type: ignore[method-assign]
+        for holder in ("h0", "h1"):
+            assert isinstance(fair.enter(gate, 2, holder, f"tok-{holder}", "{}", "A", 1.0, 10), Admitted)
+            taken = store.acquire(gate, f"run-{holder}", 10, Holder(holder), handoff=f"tok-{holder}", slots=2)
+            assert isinstance(taken, Acquired)
+        for n in range(20):
+            parked = fair.enter(gate, 2, f"w{n}", f"tok-w{n}", json.dumps({"id": f"w{n}"}), "A", 1.0, 10)
+            assert isinstance(parked, Waiting) and parked.position == n + 1
+        assert writes == [gate] and client.zscore(index, gate) is not None
+        # the queue empties (each run taken out, as for queue_timeout); the sweeper drops the gate
+        time.sleep(0.01)
+        assert len(fair.timed_out(gate, 2, 0.0)) == 20
+        assert store.handoff.queued(gate) == 0
+        assert store.handoff.resume(gate, 10, 2) is None
+        assert client.zscore(index, gate) is None
+        assert isinstance(fair.enter(gate, 2, "late", "tok-late", json.dumps({"id": "late"}), "A", 1.0, 10),
+                          Waiting)
+        assert writes == [gate, gate] and client.zscore(index, gate) is not None
 
 
 def test_a_sweeper_that_dies_after_taking_a_run_out_leaves_it_to_the_next(redis_server: RedisServer) -> None:

@@ -21,6 +21,7 @@ second copy of a message that already ran is recognised (``adopted``).
 from __future__ import annotations
 
 import hashlib
+import time as mod_time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -54,6 +55,10 @@ PARTS = (FAIR_TAGS, FAIR_STATE, FAIR_WEIGHTS, FAIR_TIMES, FAIR_SINCE, FAIR_TIMED
 
 #: the prefix of a fair task's gate key (then the task name)
 GATE_PREFIX = "fair:"
+
+#: (waiting index, gate) -> (due ms, monotonic time) of this process's last entry of the gate
+_INDEXED: dict[tuple[str, str], tuple[int, float]] = {}
+_INDEXED_KEPT = 1000
 
 
 class FairReply(Replies):
@@ -141,7 +146,8 @@ class FairCalls(Feature):
               ttl: float, *, dry: bool = False) -> Admitted | Waiting:
         """Enter the gate: :class:`Admitted`, or :class:`Waiting` (parked unless ``dry``, which
         only says where it would wait). A parked gate is entered in the waiting index, due when
-        its first lease would run out, so that the sweeper hands on a dead holder's slot."""
+        its first lease would run out, so that the sweeper hands on a dead holder's slot
+        (:meth:`_index`)."""
         reply = self.ctx.script(FAIR_ENTER)(
             keys=self.keys(gate, slots),
             args=[f"{task_id}|{token}", message, slots, ms(ttl), self.ctx.keep_ms, fair, weight,
@@ -153,10 +159,27 @@ class FairCalls(Feature):
         waiting = _waiting(reply, parked=code == FairReply.PARKED)
         if code == FairReply.PARKED:
             left = int(reply[4])
-            look = constants.RESUME_GRACE if left < 0 or len(reply) - 5 < slots else left / 1000.0
-            due = due_ms(look + constants.RESUME_GRACE)
-            self.ctx.client.zadd(self.ctx.layout.index(WAITING), {gate: due}, lt=True)
+            all_held = left >= 0 and len(reply) - 5 >= slots
+            look = left / 1000.0 if all_held else constants.RESUME_GRACE
+            behind_others = all_held and waiting.position > 1
+            self._index(gate, due_ms(look + constants.RESUME_GRACE), behind_others=behind_others)
         return waiting
+
+    def _index(self, gate: str, due: int, *, behind_others: bool) -> None:
+        """Enter ``gate`` in the waiting index, due at ``due`` (ms) or sooner. A run parked
+        ``behind_others`` found the queue not empty, so the gate is in the index already (the
+        park that made the queue not empty entered it, and the sweeper keeps a gate there while
+        its queue is not): this process does not enter it again for
+        :data:`~..constants.FAIR_INDEXED_FRESH` after it did, as soon or sooner."""
+        index, now = self.ctx.layout.index(WAITING), mod_time.monotonic()
+        known = _INDEXED.get((index, gate))
+        fresh = known is not None and known[0] <= due and now - known[1] < constants.FAIR_INDEXED_FRESH
+        if behind_others and fresh:
+            return
+        self.ctx.client.zadd(index, {gate: due}, lt=True)
+        if len(_INDEXED) >= _INDEXED_KEPT:
+            _INDEXED.clear()
+        _INDEXED[(index, gate)] = (due, now)
 
     def timed_out(self, gate: str, slots: int, timeout: float,
                   limit: int = 100) -> list[tuple[str, float, str]]:
