@@ -128,6 +128,14 @@ def held(task: Any, *args: Any) -> bool:
     return status is not None and bool(status.held)
 
 
+def holding(task: Any, args: tuple[Any, ...], queue: str) -> Any:
+    """Send a run of ``task`` and wait until it holds the key of ``args``: its duplicates then
+    meet a holder."""
+    result = task.apply_async(args, queue=queue)
+    wait_for(lambda: held(task, *args))
+    return result
+
+
 def _value(query: Callable[[str], list[dict[str, Any]]], expr: str) -> float:
     result = query(expr)
     return sum(float(r["value"][1]) for r in result)
@@ -150,20 +158,16 @@ def test_prometheus_scrapes_what_each_policy_did(
     queue = worker.queue
     key = uuid.uuid4().hex[:8]
     # skip: one holder, three duplicates turned away
-    holder = sfapp.hold_skip.apply_async((f"s{key}", 3.0), queue=queue)
-    wait_for(lambda: held(sfapp.hold_skip, f"s{key}"))
+    holder = holding(sfapp.hold_skip, (f"s{key}", 3.0), queue)
     skipped = [sfapp.hold_skip.apply_async((f"s{key}",), queue=queue) for _ in range(3)]
     # raise: two duplicates fail with LockHeld
-    raiser = sfapp.hold_raise.apply_async((f"r{key}", 3.0), queue=queue)
-    wait_for(lambda: held(sfapp.hold_raise, f"r{key}"))
+    raiser = holding(sfapp.hold_raise, (f"r{key}", 3.0), queue)
     raised = [sfapp.hold_raise.apply_async((f"r{key}",), queue=queue) for _ in range(2)]
     # queue: a holder and three parked runs, each handed the key in turn
-    first = sfapp.queued.apply_async((f"q{key}", 0, 1.0), queue=queue)
-    wait_for(lambda: held(sfapp.queued, f"q{key}", 0))
+    first = holding(sfapp.queued, (f"q{key}", 0, 1.0), queue)
     parked = [sfapp.queued.apply_async((f"q{key}", n, 0.05), queue=queue) for n in (1, 2, 3)]
     # join: two runs get the holder's result
-    joined_holder = sfapp.joined.apply_async((f"j{key}", 7, 3.0), queue=queue)
-    wait_for(lambda: held(sfapp.joined, f"j{key}", 7))
+    joined_holder = holding(sfapp.joined, (f"j{key}", 7, 3.0), queue)
     joins = [sfapp.joined.apply_async((f"j{key}", 8), queue=queue) for _ in range(2)]
 
     for result in (holder, *skipped, raiser, first, *parked, joined_holder):
@@ -211,19 +215,16 @@ def test_prometheus_scrapes_retry_coalesce_and_supersede(
     queue = worker.queue
     key = uuid.uuid4().hex[:8]
     # retry: the duplicate retries until the holder is done, then runs
-    holder = sfapp.hold_retry.apply_async((f"t{key}", 3.0), queue=queue)
-    wait_for(lambda: held(sfapp.hold_retry, f"t{key}"))
+    holder = holding(sfapp.hold_retry, (f"t{key}", 3.0), queue)
     retried = sfapp.hold_retry.apply_async((f"t{key}",), queue=queue)
     # coalesce: two duplicates while the holder runs; the second replaces the first as the pending run
-    co_holder = sfapp.coalesced.apply_async((f"c{key}", 0, 4.0), queue=queue)
-    wait_for(lambda: held(sfapp.coalesced, f"c{key}", 0))
+    co_holder = holding(sfapp.coalesced, (f"c{key}", 0, 4.0), queue)
     co_first = sfapp.coalesced.apply_async((f"c{key}", 1), queue=queue)
     wait_for(lambda: co_first.state == "QUEUED")
     co_last = sfapp.coalesced.apply_async((f"c{key}", 2), queue=queue)
     wait_for(lambda: co_last.state == "QUEUED")
     # supersede: a newer run takes the key over from the holder, which stops at its next check
-    old = sfapp.superseding.apply_async((f"u{key}", 0, 10.0), queue=queue)
-    wait_for(lambda: held(sfapp.superseding, f"u{key}", 0))
+    old = holding(sfapp.superseding, (f"u{key}", 0, 10.0), queue)
     newer = sfapp.superseding.apply_async((f"u{key}", 1), queue=queue)
 
     for result in (holder, retried, co_holder, co_first, co_last, newer):
@@ -319,8 +320,7 @@ def test_counts_survive_pool_processes_replaced_after_every_task(
         result.get(timeout=30)
     # the holder outlasts the duplicate's decision however slowly the pool makes the process
     # that takes it (a new one per task: under load that took seconds); it is not counted
-    holder = sfapp.hold_skip.apply_async((f"s{key}", 60.0), queue=worker.queue)
-    wait_for(lambda: held(sfapp.hold_skip, f"s{key}"))
+    holder = holding(sfapp.hold_skip, (f"s{key}", 60.0), worker.queue)
     skipped = sfapp.hold_skip.apply_async((f"s{key}",), queue=worker.queue)
     assert skipped.get(timeout=30)["singleflight"] == "skipped"
     holder.revoke(terminate=True, signal="SIGKILL")
@@ -343,8 +343,7 @@ def test_gauges_read_held_keys_and_parked_runs_from_redis(
 ) -> None:
     worker, port = metrics_worker()
     key = uuid.uuid4().hex[:8]
-    holder = sfapp.queued_sleeper.apply_async((f"g{key}", 30.0), queue=worker.queue)
-    wait_for(lambda: held(sfapp.queued_sleeper, f"g{key}"))
+    holder = holding(sfapp.queued_sleeper, (f"g{key}", 30.0), worker.queue)
     for _ in range(3):
         sfapp.queued_sleeper.apply_async((f"g{key}", 0.01), queue=worker.queue)
 
