@@ -175,6 +175,7 @@ def figures(recs: Sequence[Rec], slots: int) -> dict[str, float]:
     last_light_start = max(r.start for r in light)
     window = [r for r in recs if first_light_sent <= r.start <= last_light_start]
     span = max(r.end for r in recs) - min(r.sent for r in recs)
+    runs_per_s = len(recs) / span
     parked = [r for r in light if r.parked is not None]
     diagnostics = {}
     every_parked = [r.parked for r in recs if r.parked is not None]
@@ -198,11 +199,11 @@ def figures(recs: Sequence[Rec], slots: int) -> dict[str, float]:
         "light_completion": max(r.end for r in light) - first_light_sent,
         "a_total": max(r.end for r in heavy) - min(r.sent for r in heavy),
         "a_wait_p50": percentile([r.start - r.sent for r in heavy], 50),
-        "runs_per_s": len(recs) / span,
+        "runs_per_s": runs_per_s,
         "a_share": sum(r.tenant == "A" for r in window) / len(window),
         "window_runs": float(len(window)),
         "at_once": float(most_at_once(recs)),
-        "rr_floor": rr_floor(len(light), slots, len(recs) / span),
+        "rr_floor": rr_floor(len(light), slots, runs_per_s),
     }
 
 
