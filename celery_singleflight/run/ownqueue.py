@@ -5,7 +5,7 @@ whose message must be sent again. Sent to the task's queue, it would wait behind
 broker holds there: after a burst, the whole backlog the main processes are still parking, so
 the slot would sit reserved and idle for as long as that takes. Sent to this worker's own
 queue (Celery's ``worker_direct`` queue, ``<node name>.dq2``, which only this worker consumes),
-it reaches this worker's main process at once, and the pool process that just ended runs it.
+it reaches this worker's main process at once, and a free pool process of this worker runs it.
 
 The worker's bootstep (main process, before the pool forks) adds that queue to the ones the
 worker consumes when the worker has a fair task, and records it here, so the pool processes
