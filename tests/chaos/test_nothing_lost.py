@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from celery.result import AsyncResult
 
 import celery_singleflight as sf
 from celery_singleflight import constants
+from celery_singleflight.protocol.delayed import DELAYED
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .conftest import Workers, interval_overlaps, max_at_once, overlaps, round3, runs, wait_for
@@ -118,6 +120,16 @@ def parked(call: Call) -> bool:
     return call.result.state == "QUEUED" or call.result.ready()
 
 
+def noted_or_ran(task: Any, call: Call) -> bool:
+    """A delayed run's copy is noted as held by a worker (``TOUCH``), or the run started or ended."""
+    if call.result.ready():
+        return True
+    ctx = task.store.ctx
+    raw = ctx.client.hget(ctx.layout.key(DELAYED, task.render_key(call.key, call.n, SHORT)), call.result.id)
+    entry = json.loads(raw) if raw is not None else {}
+    return "w" in entry or "c" in entry
+
+
 def load(m: Matrix) -> None:
     """Bring every policy to its state at the fault: a holder running in the holders' worker and
     runs waiting in the other one (parked there, or delayed as its countdown messages)."""
@@ -149,6 +161,11 @@ def load(m: Matrix) -> None:
         m.send("rate limit", n, "waiting")
     superseding = [m.send("supersede", n, "waiting") for n in (1, 2, 3)]
     wait_for(lambda: rate_first.result.ready() and all(parked(c) for c in superseding), timeout=10)
+    # the worker holds the rate-limited runs' countdown messages and has noted so: its death then
+    # frees their copies once it is seen gone (a copy no worker noted waits a longer grace)
+    rate = m.task("rate limit")
+    delayed = [c for c in m.calls["rate limit"] if c.role == "waiting" and c is not rate_first]
+    wait_for(lambda: all(noted_or_ran(rate, c) for c in delayed), timeout=10)
 
 
 class Terminal:
