@@ -15,9 +15,9 @@ __all__ = [
     "DELAYING_OPTIONS",
     "DELAYED_GRACE", "DELAYED_KEEP",
     "FAIR_INDEXED_FRESH", "FAIR_KEEP", "FAIR_TIMES_KEPT",
-    "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
+    "DELAYED_CLAIM_PATIENCE", "DELAYED_OLD_KEPT", "DELAYED_RECHECK", "DELAYED_UNSEEN_GRACE",
     "HEARTBEAT_ERROR_RETRY", "HOLD_FIRST_DELAY", "HOLD_MAX_DELAY", "HOLD_MIN_DELAY", "LEASE_MARGIN",
-    "JOURNAL_COMPACT",
+    "JOURNAL_COMPACT", "JOURNAL_KEEP",
     "LEASE_MARGIN_SHARE", "LOST_KEPT", "LOST_RUN_GRACE", "LUA_CONSTANTS", "MAX_CLOCK_SKEW", "NEWEST_KEEP",
     "ORDER_KEEP",
     "PROBE_CONNECT_TIMEOUT", "PROBE_SOCKET_TIMEOUT", "RATE_EARLY_ALLOWANCE", "RATE_GRANT_KEEP", "RATE_LATE",
@@ -81,6 +81,10 @@ ORDER_KEEP = 86_400.0
 SKIPPED_KEPT = 32
 #: how often a worker drops from its journal the runs that no longer wait in Redis
 JOURNAL_COMPACT = 5.0
+#: how long a key keeps the journal marks of the runs that waited on it after its last new one (a
+#: worker drops a mark with its journal line, within :data:`JOURNAL_COMPACT`; this bounds the
+#: marks of a worker that never comes back)
+JOURNAL_KEEP = 86_400.0
 #: how many sweeps a recovered run's send may fail before it ends FAILURE (``WaitingLost``)
 RECOVER_ATTEMPTS = 3
 
@@ -126,8 +130,13 @@ DELAYED_OLD_KEPT = 8
 #: a worker whose sweeper has not said it is alive for this long is gone (its sweep runs each second)
 WORKER_GONE_AFTER = 3.0
 #: a delayed run no worker noted receiving (its message waits in the broker, or the worker died
-#: before noting it) gets its copy sent this long after its due time
-DELAYED_UNSEEN_GRACE = 30.0
+#: before noting it) gets its copy sent this long after its due time: a copy sent early is
+#: harmless (of the copies that start, one claims the run; the others are dropped)
+DELAYED_UNSEEN_GRACE = 3.0
+#: a delayed run claimed by a run that has not said it started or ended this long after its claim
+#: (its pool process died alone, or it hangs before its start) has its claim taken back and its
+#: copy sent again, even while the claimant's worker lives (a copy taken back never starts)
+DELAYED_CLAIM_PATIENCE = 10.0
 
 # -- Redis connections ----------------------------------------------------------------------
 
@@ -175,5 +184,8 @@ LUA_CONSTANTS: dict[str, int] = {
     "DELAYED_RECHECK_MS": _ms(DELAYED_RECHECK),
     "DELAYED_OLD_KEPT": DELAYED_OLD_KEPT,
     "DELAYED_UNSEEN_GRACE_MS": _ms(DELAYED_UNSEEN_GRACE),
+    "DELAYED_CLAIM_PATIENCE_MS": _ms(DELAYED_CLAIM_PATIENCE),
+    "WORKER_GONE_AFTER_MS": _ms(WORKER_GONE_AFTER),
     "FAIR_KEEP_MS": _ms(FAIR_KEEP),
+    "JOURNAL_KEEP_MS": _ms(JOURNAL_KEEP),
 }

@@ -367,3 +367,47 @@ def test_holders_on_every_master_are_told_at_once_by_the_push(cluster: RedisClus
             assert force_release(app, key, by="ops") is not None
             assert lease.lease.wait_superseded(1.5), f"{key} not told"
             assert time.monotonic() - sent < 1.5 and "force-released by ops" in lease.lease.lost_reason
+
+
+def test_a_master_other_than_the_epoch_keys_losing_its_data_is_seen_by_the_marks(
+    cluster: RedisClusterServers, lease_env: dict[str, str], sfapp: ModuleType, tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given a run parked on a key whose master is not the epoch key's, with its journal mark, when
+    that master alone loses its data (flushed), the epoch still reads intact (its master kept its
+    data), but the worker's next compaction finds the run gone with its mark and sends it again;
+    a run parked on the epoch key's master, still waiting, stays journaled."""
+    from celery.canvas import Signature
+
+    from celery_singleflight.protocol.epoch import EPOCH_KEY
+    from celery_singleflight.protocol.handoff import QUEUE
+    from celery_singleflight.run.journal import Journal, new_mark
+    from celery_singleflight.worker.recovery import Recovery
+
+    sent: list[str] = []
+    monkeypatch.setattr(Signature, "apply_async", lambda self, *a, **kw: sent.append(self.options["task_id"]))
+    client = cluster.client()
+    store = LeaseStore(client, KeyLayout("sf"))
+    epoch_node = client.get_node_from_key(store.layout.index(EPOCH_KEY))
+    keys = [f"k{n}" for n in range(64)]
+    other = next(k for k in keys if client.get_node_from_key(store.layout.key(QUEUE, k)) != epoch_node)
+    same = next(k for k in keys if client.get_node_from_key(store.layout.key(QUEUE, k)) == epoch_node)
+    job = Recovery(sfapp.app, Journal(str(tmp_path), "w@host"))
+    job.stores["sf"] = store
+    parked: dict[str, str] = {}
+    for key in (other, same):
+        task_id, mark = f"parked-{uuid.uuid4().hex[:6]}", new_mark()
+        message = json.dumps(dict(sfapp.queued.s(key, 1).set(task_id=task_id)))
+        assert isinstance(store.acquire(key, f"holder-{key}", 30, Holder(f"h-{key}")), Acquired)
+        assert store.handoff.park(key, task_id, "h1", message, None, mark=mark) is not None
+        sfapp.app.backend.store_result(task_id, {"key": key}, "QUEUED")
+        job.journal.append({"kind": "park", "namespace": "sf", "key": key, "task_id": task_id,
+                            "task": sfapp.queued.name, "message": message, "at": time.time(), "mark": mark})
+        parked[key] = task_id
+    assert job.sweep_once() == 0 and sent == []  # the first look: both wait
+    node = client.get_node_from_key(store.layout.key(QUEUE, other))
+    cluster.node_on(int(node.port)).client().flushall()  # that master alone loses its data
+    job.compact_at = 0.0
+    assert job.sweep_once() == 1
+    assert sent == [parked[other]]
+    assert [e.task_id for e in job.journal.entries()] == [parked[same]]

@@ -1,6 +1,7 @@
 """Delayed runs keep a copy in Redis (protocol/delayed.py): the scripts answer the same when a
-reply is lost, exactly one copy of a run claims it, and a copy is handed out again only when its
-countdown message has not started a grace after its due time."""
+reply is lost, exactly one copy of a run claims it, a copy is handed out again only when its
+countdown message has not started a grace after its due time, and a claim whose worker is gone
+before its run said it started is taken back."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from celery.canvas import Signature
 
 from celery_singleflight import constants
 from celery_singleflight.connection.clients import redis_client
-from celery_singleflight.protocol.delayed import ClaimReply
+from celery_singleflight.protocol.delayed import Claim, ClaimDoneReply, ClaimReply, Resent
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.messages import HEADER_DELAYED
 from celery_singleflight.testing import RedisServer
@@ -29,20 +30,40 @@ def _store(url: str) -> LeaseStore:
     return LeaseStore(redis_client(url), KeyLayout(f"dl-{uuid.uuid4().hex[:6]}"))
 
 
+def claim(store: LeaseStore, key: str, task_id: str, token: str, owner: str = "w#1",
+          lease: str = "lease") -> ClaimReply:
+    return store.delayed.claim(key, task_id, token, owner, lease)
+
+
+def done(store: LeaseStore, key: str, task_id: str, token: str) -> ClaimDoneReply:
+    return store.delayed.done(Claim(key, task_id, token))
+
+
+def copy(message: str, took: str = "") -> Resent:
+    return Resent(message, {}, took)
+
+
 def test_the_countdown_message_claims_its_copy_and_a_later_delivery_goes_on(
     redis_server: RedisServer,
 ) -> None:
-    """Given a run delayed 0.2 s, when its countdown message starts it claims the copy (which is
-    dropped: nothing is left in the hash or the index); another delivery of that message finds no
+    """Given a run delayed 0.2 s, when its countdown message starts it claims the copy, which is
+    kept (with its claimant, looked at a while later) until the run says it started; then it is
+    dropped (nothing is left in the hash or the index); another delivery of that message finds no
     copy and goes on (the lease turns it away while the first runs)."""
     store = _store(redis_server.url + "/2")
     due = store.delayed.delay("k", "t1", "tok1", '{"task": "x"}', 0.2)
     assert abs(due - time.time()) < 1.0
     assert store.delayed.waiting("k", "t1")
-    assert store.delayed.claim("k", "t1", "tok1") == ClaimReply.GO
+    assert claim(store, "k", "t1", "tok1") == ClaimReply.GO
+    assert store.delayed.waiting("k", "t1")  # claimed: kept until the run says it started
+    look = store.client.zscore(store.layout.delays(), '["k", "t1"]')
+    assert look is not None and look / 1000 - time.time() > constants.WORKER_GONE_AFTER
+    assert claim(store, "k", "t1", "tok1") == ClaimReply.GO  # its replay
+    assert done(store, "k", "t1", "tok1") == ClaimDoneReply.DONE
+    assert done(store, "k", "t1", "tok1") == ClaimDoneReply.DONE  # its replay
     assert not store.delayed.waiting("k", "t1")
     assert store.client.zcard(store.layout.delays()) == 0
-    assert store.delayed.claim("k", "t1", "tok1") == ClaimReply.GO
+    assert claim(store, "k", "t1", "tok1") == ClaimReply.GO
 
 
 def test_a_lost_message_is_sent_again_once_and_only_one_copy_runs(redis_server: RedisServer) -> None:
@@ -58,56 +79,63 @@ def test_a_lost_message_is_sent_again_once_and_only_one_copy_runs(redis_server: 
     assert store.delayed.due() == [("k", "t2")]
     assert store.delayed.resend("k", "t2", "sweep-1", ["w1", "w2"]) is None  # w1 holds it
     assert store.delayed.due() == []  # looked at again in a while
-    assert store.delayed.resend("k", "t2", "sweep-2", ["w2"]) == ('{"task": "x"}', {})
-    assert store.delayed.resend("k", "t2", "sweep-2", ["w2"]) == ('{"task": "x"}', {})  # a replay
+    assert store.delayed.resend("k", "t2", "sweep-2", ["w2"]) == copy('{"task": "x"}')
+    assert store.delayed.resend("k", "t2", "sweep-2", ["w2"]) == copy('{"task": "x"}')  # a replay
     store.delayed.sent("k", "t2")
     assert store.delayed.due() == []
-    assert store.delayed.claim("k", "t2", "sweep-2") == ClaimReply.GO_LATE  # the copy starts first
-    assert store.delayed.claim("k", "t2", "sweep-2") != ClaimReply.STALE  # its replay, or its redelivery
+    assert claim(store, "k", "t2", "sweep-2") == ClaimReply.GO_LATE  # the copy starts first
+    assert claim(store, "k", "t2", "sweep-2") != ClaimReply.STALE  # its replay, or its redelivery
     # the first message, back after the visibility timeout
-    assert store.delayed.claim("k", "t2", "tok-a") == ClaimReply.STALE
-    assert store.delayed.resend("k", "t2", "sweep-3", []) is None  # claimed: never handed out again
+    assert claim(store, "k", "t2", "tok-a") == ClaimReply.STALE
+    assert done(store, "k", "t2", "sweep-2") == ClaimDoneReply.DONE
+    assert claim(store, "k", "t2", "tok-a") == ClaimReply.STALE  # still, once the run started
+    assert store.delayed.resend("k", "t2", "sweep-3", []) is None  # done: never handed out again
 
 
-def test_a_message_no_worker_noted_gets_its_copy_only_after_the_unseen_grace(
+def test_a_message_no_worker_noted_gets_its_copy_a_few_seconds_after_its_due_time(
     redis_server: RedisServer,
 ) -> None:
-    """A message no worker noted receiving waits in the broker (or its worker died at once): its
-    copy goes only DELAYED_UNSEEN_GRACE after its due time."""
+    """A message no worker noted receiving waits in the broker (or its worker died before it
+    noted it): its copy goes DELAYED_UNSEEN_GRACE (a few seconds) after its due time, not sooner."""
+    assert constants.DELAYED_UNSEEN_GRACE <= 3.0
     store = _store(redis_server.url + "/2")
     store.delayed.delay("k", "t5", "tok", "{}", 0.05)
     time.sleep(0.05 + constants.DELAYED_GRACE + 0.05)
     assert store.delayed.resend("k", "t5", "sweep", []) is None
     score = store.client.zscore(store.layout.delays(), '["k", "t5"]')
-    assert score is not None and score / 1000 - time.time() > constants.DELAYED_UNSEEN_GRACE - 3
+    assert score is not None and 0 < score / 1000 - time.time() < constants.DELAYED_UNSEEN_GRACE
+    time.sleep(score / 1000 - time.time() + 0.05)
+    assert store.delayed.resend("k", "t5", "sweep", []) == copy("{}")
 
 
 def test_a_run_delayed_again_makes_its_earlier_copies_stale(redis_server: RedisServer) -> None:
     """A debounced call waits again (a newer call came): its earlier message is stale from then on."""
     store = _store(redis_server.url + "/2")
     store.delayed.delay("k", "t3", "first", "{}", 0.05)
-    assert store.delayed.claim("k", "t3", "first") != ClaimReply.STALE
+    assert claim(store, "k", "t3", "first") != ClaimReply.STALE
     store.delayed.delay("k", "t3", "second", "{}", 0.05)
-    assert store.delayed.claim("k", "t3", "first") == ClaimReply.STALE
-    assert store.delayed.claim("k", "t3", "second") != ClaimReply.STALE
+    assert claim(store, "k", "t3", "first") == ClaimReply.STALE
+    assert done(store, "k", "t3", "first") == ClaimDoneReply.TAKEN_BACK  # the first run is over anyway
+    assert claim(store, "k", "t3", "second") != ClaimReply.STALE
 
 
 def test_lost_replies_of_the_delayed_scripts_change_nothing(redis_server: RedisServer) -> None:
-    """Given the reply of every DELAY, TOUCH, CLAIM and RESEND dropped once (the script ran, redis-py sends
-    it again), each caller gets the answer of the first run."""
+    """Given the reply of every DELAY, TOUCH, CLAIM, CLAIM_DONE and RESEND dropped once (the script
+    ran, redis-py sends it again), each caller gets the answer of the first run."""
     with FaultProxy(redis_server.port) as proxy:
-        for name in ("DELAY", "CLAIM", "RESEND", "TOUCH"):
+        for name in ("DELAY", "CLAIM", "CLAIM_DONE", "RESEND", "TOUCH"):
             proxy.add_rule(DROP_REPLY, script=SOURCE[name], first_time_only=True)
         store = _store(proxy.url(2))
         first_due = store.delayed.delay("k", "t4", "tok", '{"m": 1}', 0.05)
         store.delayed.touch([("k", "t4", "tok")], "gone")
         time.sleep(0.05 + constants.DELAYED_GRACE + 0.05)
-        assert store.delayed.resend("k", "t4", "sweep", []) == ('{"m": 1}', {})
-        assert store.delayed.claim("k", "t4", "tok") != ClaimReply.STALE
-        assert store.delayed.claim("k", "t4", "sweep") == ClaimReply.STALE
-        assert len(proxy.faults) >= 4  # each distinct call loses its first reply
+        assert store.delayed.resend("k", "t4", "sweep", []) == copy('{"m": 1}')
+        assert claim(store, "k", "t4", "tok") != ClaimReply.STALE
+        assert claim(store, "k", "t4", "sweep") == ClaimReply.STALE
+        assert done(store, "k", "t4", "tok") == ClaimDoneReply.DONE
+        assert len(proxy.faults) >= 5  # each distinct call loses its first reply
         raw = store.client.hget(store.layout.delayed("k"), "t4")
-        assert raw is not None and b'"c":"tok"' in raw.replace(b" ", b"")
+        assert raw is not None and b'"c":"tok"' in raw.replace(b" ", b"") and b'"m"' not in raw
         assert first_due > 0
 
 
@@ -122,11 +150,12 @@ def test_a_late_first_message_of_a_run_sent_again_and_delayed_again_is_stale(
     time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
     store.delayed.touch([("k", "t6", "tok-0")], "gone")
     assert store.delayed.resend("k", "t6", "sweep-1", []) is not None
-    assert store.delayed.claim("k", "t6", "sweep-1") == ClaimReply.GO_LATE
+    assert claim(store, "k", "t6", "sweep-1") == ClaimReply.GO_LATE
     store.delayed.delay("k", "t6", "tok-2", "{}", 0.01)
-    assert store.delayed.claim("k", "t6", "tok-2") == ClaimReply.GO
-    assert store.delayed.claim("k", "t6", "tok-0") == ClaimReply.STALE
-    assert store.delayed.claim("k", "t6", "sweep-1") == ClaimReply.STALE
+    assert claim(store, "k", "t6", "tok-2") == ClaimReply.GO
+    assert done(store, "k", "t6", "tok-2") == ClaimDoneReply.DONE
+    assert claim(store, "k", "t6", "tok-0") == ClaimReply.STALE
+    assert claim(store, "k", "t6", "sweep-1") == ClaimReply.STALE
     assert store.client.zcard(store.layout.delayed_ends("k")) == 1  # kept until DELAYED_KEEP is over
 
 
@@ -170,6 +199,70 @@ def test_a_copy_put_back_after_a_data_loss_never_replaces_a_newer_delay(
     store = _store(redis_server.url + "/2")
     store.delayed.delay("k", "t7", "newer", "{}", 5.0)
     store.delayed.delay("k", "t7", "journaled", "{}", 0.0, restore=True)
-    assert store.delayed.claim("k", "t7", "newer") == ClaimReply.GO
+    assert claim(store, "k", "t7", "newer") == ClaimReply.GO
     store.delayed.delay("k", "t8", "journaled", "{}", 0.0, restore=True)  # nothing there: put back
     assert store.delayed.waiting("k", "t8")
+
+
+def test_a_claim_whose_worker_is_gone_is_taken_back_and_its_run_never_starts(
+    redis_server: RedisServer,
+) -> None:
+    """Given a run whose countdown message claimed its copy (worker w1, lease token L), then w1 died
+    before the run said it started: while w1 is alive the claim stands; once w1 is gone a
+    sweeper takes it back and hands out the copy again, with L (the copy takes over the lease
+    the claimant may have taken). The claimant, should it wake, is told TAKEN_BACK (it must not
+    start), its message stays stale, and the copy sent again claims and starts."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t9", "tok", '{"m": 9}', 0.0)
+    assert claim(store, "k", "t9", "tok", owner="w1#a", lease="L") == ClaimReply.GO
+    assert store.delayed.resend("k", "t9", "sweep-1", ["w1#a"]) is None  # just claimed: not yet looked at
+    time.sleep(constants.WORKER_GONE_AFTER + 0.05)
+    assert store.delayed.resend("k", "t9", "sweep-1", ["w1#a", "w2#b"]) is None  # w1 is alive: it stands
+    assert store.delayed.resend("k", "t9", "sweep-2", ["w2#b"]) == copy('{"m": 9}', took="L")
+    assert store.delayed.resend("k", "t9", "sweep-2", ["w2#b"]) == copy('{"m": 9}', took="L")  # a replay
+    assert done(store, "k", "t9", "tok") == ClaimDoneReply.TAKEN_BACK
+    assert claim(store, "k", "t9", "tok") == ClaimReply.STALE
+    assert claim(store, "k", "t9", "sweep-2", owner="w2#b") == ClaimReply.GO_LATE
+    assert done(store, "k", "t9", "sweep-2") == ClaimDoneReply.DONE
+    assert done(store, "k", "t9", "tok") == ClaimDoneReply.TAKEN_BACK
+    assert store.delayed.resend("k", "t9", "sweep-3", []) is None
+
+
+def test_a_claim_not_done_in_time_is_taken_back_even_while_its_worker_lives(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claimant whose worker lives but who never says its run started (its pool process was
+    killed alone, or it hangs) loses its claim DELAYED_CLAIM_PATIENCE after it."""
+    store = _store(redis_server.url + "/2")
+    store.delayed.delay("k", "t10", "tok", "{}", 0.0)
+    assert claim(store, "k", "t10", "tok", owner="w1#a", lease="L") == ClaimReply.GO
+    # the claim as DELAYED_CLAIM_PATIENCE ago (the clock is Redis's: the entry is written back)
+    raw = store.client.hget(store.layout.delayed("k"), "t10")
+    assert raw is not None
+    entry = json.loads(raw)
+    entry["ca"] = str(int(entry["ca"]) - int(constants.DELAYED_CLAIM_PATIENCE * 1000) + 300)
+    store.client.hset(store.layout.delayed("k"), "t10", json.dumps(entry))
+    assert store.delayed.resend("k", "t10", "sweep", ["w1#a"]) is None
+    time.sleep(0.35)
+    assert store.delayed.resend("k", "t10", "sweep", ["w1#a"]) == copy("{}", took="L")
+
+
+def test_the_sweeper_drops_the_copy_of_a_claimed_run_that_ended(
+    redis_server: RedisServer, sfapp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool process killed after its run claimed its copy ends that run FAILURE (WorkerLostError,
+    stored by the worker's main process): once the claim is taken back, the sweeper finds the run
+    ended and drops the copy instead of running it a second time."""
+    sent: list[str] = []
+    monkeypatch.setattr(Signature, "apply_async", lambda self, *a, **kw: sent.append(self.options["task_id"]))
+    store = sfapp.queued.store
+    task_id = f"ended-{uuid.uuid4().hex[:6]}"
+    message = json.dumps(dict(sfapp.queued.s("k", 1).set(task_id=task_id)))
+    store.delayed.delay("q:e", task_id, "tok", message, 0.0)
+    assert claim(store, "q:e", task_id, "tok", owner="gone#x") == ClaimReply.GO
+    sfapp.app.backend.mark_as_failure(task_id, RuntimeError("worker lost"))
+    time.sleep(constants.WORKER_GONE_AFTER + 0.05)
+    store.client.zadd(store.layout.delays(), {json.dumps(["q:e", task_id]): 0})
+    assert SendCopies(sfapp.app, store, "me#y").sweep_once() == 0 and sent == []
+    assert not store.delayed.waiting("q:e", task_id)
+    assert ("q:e", task_id) not in store.delayed.due()

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 
 import celery_singleflight as sf
-from celery_singleflight import QueueTimeout, RunLost, states
+from celery_singleflight import QueueTimeout, RunLost, constants, states
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.protocol.fair import Admitted, Waiting
 from celery_singleflight.protocol.handoff import WAITING
@@ -251,11 +251,15 @@ def test_fair_enter_run_twice_answers_the_same(redis_server: RedisServer) -> Non
         assert store.handoff.queued(gate) == 0
 
 
-def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_burst() -> None:
+def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_burst(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Given both slots held, a burst of 20 runs parked by one process enters the gate in the
     waiting index once, not 20 times (a run parked behind others finds it there); once the queue
     empties and the sweeper drops the gate, the next run parked enters it again at once (within
-    the same second), so that a dead holder's slot is still handed on."""
+    the same second), so that a dead holder's slot is still handed on. (The freshness window is
+    made long: a loaded machine must not take the burst past it.)"""
+    monkeypatch.setattr(constants, "FAIR_INDEXED_FRESH", 60.0)
     with RedisServer() as server:
         store = _store(f"{server.url}/2")
         client, gate, fair = store.ctx.client, "fair:t", store.fair
@@ -371,3 +375,44 @@ def test_a_weight_set_at_run_time_places_the_next_runs(sfapp: ModuleType, redis_
         sf.set_fair_weight(sfapp.queued, "heavy", 2.0)
     refused = run_cli(redis_server, "limit", "heavy", "--weight", "2")
     assert refused.returncode == 2 and "--task" in refused.stderr
+
+
+def test_a_sweep_names_only_the_slots_a_key_has_so_a_parked_run_is_sent_once(
+    sfapp: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source of the second copy of a fair run's message. Given the app's sweeper (its
+    namespace's largest key has 3 slots) and a 2-slot fair gate with both slots held and runs
+    parked, and a 1-slot queue key held with a run parked: the sweeper's look hands nothing on
+    (it names the gate's 2 slots and the queue key's 1, not 3: a third slot nobody has would be
+    free to it, and the parked run's message would go out twice, once now and once at the real
+    release); each holder's release then hands its slot to the first parked run, once."""
+    from celery_singleflight.worker import sweeper
+    from celery_singleflight.worker.registry import guarded_tasks
+
+    sent: list[str] = []
+    monkeypatch.setattr(sweeper, "settle", lambda app, found, ending: sent.append(found.handoff or ""))
+    store, gate, ttl = sfapp.fair_job.store, "fair:sfapp.fair_job", 30
+    client, index = store.client, store.ctx.layout.index(WAITING)
+    for holder in ("h0", "h1"):
+        assert isinstance(store.fair.enter(gate, 2, holder, f"tok-{holder}", "{}", "A", 1.0, ttl), Admitted)
+        taken = store.acquire(gate, f"run-{holder}", ttl, Holder(holder), handoff=f"tok-{holder}", slots=2)
+        assert isinstance(taken, Acquired)
+    for waiting in ("w1", "w2"):
+        message = json.dumps(dict(sfapp.fair_job.s("A", 1).set(task_id=waiting)))
+        parked = store.fair.enter(gate, 2, waiting, f"tok-{waiting}", message, "A", 1.0, ttl)
+        assert isinstance(parked, Waiting)
+    key = f"phantom-{uuid.uuid4().hex[:6]}"
+    queue_key = sfapp.queued.render_key(key, 0)
+    assert isinstance(store.acquire(queue_key, "run-q", ttl, Holder("q")), Acquired)
+    message = json.dumps(dict(sfapp.queued.s(key, 1).set(task_id="d1")))
+    assert store.handoff.park(queue_key, "d1", "hd1", message, None) is not None
+    client.zadd(index, {gate: 0, queue_key: 0})  # both due now
+    (job,) = [j for j in sweeper.hand_on_sweeps(sfapp.app, guarded_tasks(sfapp.app))
+              if isinstance(j, sweeper.HandOn) and j.store.ctx.layout.namespace == store.ctx.layout.namespace]
+    assert job.slots >= 3
+    job.sweep_once()
+    assert sent == []  # nothing handed on: every slot each key has is held
+    released = store.release(gate, "run-h0", "succeeded", ttl, slots=2).handoff
+    assert released is not None and json.loads(released)["options"]["task_id"] == "w1"
+    released = store.release(queue_key, "run-q", "succeeded", ttl).handoff
+    assert released is not None and json.loads(released)["options"]["task_id"] == "d1"

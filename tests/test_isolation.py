@@ -35,7 +35,7 @@ from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.ops.acl import LIBRARY_COMMANDS, channel_patterns, key_patterns
 from celery_singleflight.ops.acl import acl_rule as rule_for
 from celery_singleflight.ops.status import StatusReader
-from celery_singleflight.protocol.delayed import ClaimReply
+from celery_singleflight.protocol.delayed import Claim, ClaimDoneReply, ClaimReply
 from celery_singleflight.protocol.fair import Admitted, Waiting
 from celery_singleflight.protocol.lease import ProgressReply
 from celery_singleflight.protocol.replies import Acquired, Held, Holder, Parked
@@ -384,9 +384,11 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
     alive = store.delayed.alive("w1@h")
     assert store.delayed.due() == [(key, "run-8")]
-    assert store.delayed.resend(key, "run-8", "sweep-8", alive) == ('{"delayed": 8}', {})
+    resent = store.delayed.resend(key, "run-8", "sweep-8", alive)
+    assert resent is not None and (resent.message, resent.headers) == ('{"delayed": 8}', {})
     store.delayed.sent(key, "run-8")
-    assert store.delayed.claim(key, "run-8", "sweep-8") != ClaimReply.STALE
+    assert store.delayed.claim(key, "run-8", "sweep-8", "w1@h#x", "lease-8") != ClaimReply.STALE
+    assert store.delayed.done(Claim(key, "run-8", "sweep-8")) == ClaimDoneReply.DONE
 
     # the sweeper hands the key of a dead holder to its parked run and answers its joined runs
     conv = "conv:7"

@@ -27,10 +27,11 @@ from celery_singleflight import WaitingLost
 from celery_singleflight.config.options import app_options
 from celery_singleflight.policies.lostruns import LostRuns
 from celery_singleflight.policies.recovered import Recovered, already_placed
+from celery_singleflight.protocol.journaled import JOURNALED
 from celery_singleflight.protocol.replies import Acquired, Held, Holder
 from celery_singleflight.protocol.started import STARTED
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
-from celery_singleflight.run.journal import HEADER_RECOVERED, HEADER_RECOVERED_HANDOFF, Journal
+from celery_singleflight.run.journal import HEADER_RECOVERED, HEADER_RECOVERED_HANDOFF, Journal, new_mark
 from celery_singleflight.run.messages import HEADER_HANDOFF, HEADER_SEQ
 from celery_singleflight.testing import RedisServer
 from celery_singleflight.worker.recovery import Recovery
@@ -305,7 +306,7 @@ def test_a_lost_delayed_run_gets_its_copy_in_redis_back_under_its_token(
     _journal(job, "delay", task_id, due=1.0, token="tok-1")
     assert job.sweep_once() == 1 and sent == []
     assert store.delayed.waiting("q:k", task_id)
-    assert store.delayed.claim("q:k", task_id, "tok-1")  # the countdown message runs
+    assert store.delayed.claim("q:k", task_id, "tok-1", "w#1", "lease")  # the countdown message runs
     assert job.journal.entries() == []
 
 
@@ -433,6 +434,63 @@ def test_a_restore_from_an_older_snapshot_while_the_worker_was_down_is_a_loss(
     assert _restarted(job).sweep_once() == 1 and [s["options"]["task_id"] for s in sent] == [task_id]
 
 
+def test_a_snapshot_taken_after_the_last_look_loses_runs_parked_since_and_their_marks_say_so(
+    recovery: tuple[Recovery, list[dict[str, Any]]], sfapp: ModuleType,
+) -> None:
+    """Given a worker that looked at the epoch, then Redis saved a snapshot, then the worker parked
+    a run (its mark beside it) and another run it had parked before the snapshot was handed on;
+    when Redis comes back from that snapshot, the epoch reads as intact (the count still grows),
+    but the compaction finds the new run gone with its mark: it is sent again. The run handed on
+    (its mark is there: the data that had it waiting is there) is dropped, not sent."""
+    job, sent = recovery
+    app = sfapp.app
+    with RedisServer() as server:
+        store = LeaseStore(server.client(2), KeyLayout("sf"))
+        job.stores["sf"] = store
+        store.acquire("q:k", "holder-token", 30, Holder("holder"))
+        handed, parked = (f"{name}-{uuid.uuid4().hex[:6]}" for name in ("handed", "parked"))
+        for task_id in (handed, parked):
+            app.backend.store_result(task_id, {"key": "q:k"}, "QUEUED")
+        mark = new_mark()
+        assert store.handoff.park("q:k", handed, "h1", _message(app, "sfapp.queued", handed), None, mark=mark)
+        _journal(job, "park", handed, mark=mark)
+        job.sweep_once()  # the first look: both lines kept (one waits; the other is this life's)
+        server.client().save()  # the snapshot: after the worker's look, with `handed` parked
+        mark = new_mark()
+        assert store.handoff.park("q:k", parked, "h2", _message(app, "sfapp.queued", parked), None, mark=mark)
+        _journal(job, "park", parked, mark=mark)
+        store.release("q:k", "holder-token")  # `handed` is handed the key (its message is sent)
+        server.kill()
+        server.start()  # back from the snapshot: `parked` is gone, and `handed` parked again
+        assert store.epoch.look("x")[1] > job.seen["sf"][1]  # the epoch cannot tell
+        job.compact_at = 0.0
+        assert job.sweep_once() == 1
+        assert [s["options"]["task_id"] for s in sent] == [parked]
+        assert [e.task_id for e in job.journal.entries()] == [handed]  # still parked (in the snapshot)
+
+
+def test_a_run_handed_on_leaves_its_mark_until_the_worker_drops_its_line(
+    recovery: tuple[Recovery, list[dict[str, Any]]], sfapp: ModuleType,
+) -> None:
+    """Given a run parked with its mark and then handed on, when the worker compacts its journal,
+    the line is dropped and so is the mark (nothing stays behind in Redis)."""
+    job, sent = recovery
+    store = sfapp.queued.store
+    job.sweep_once()
+    store.acquire("q:m", "holder-token", 30, Holder("holder"))
+    task_id, mark = f"handed-{uuid.uuid4().hex[:6]}", new_mark()
+    assert store.handoff.park("q:m", task_id, "h1", _message(sfapp.app, "sfapp.queued", task_id), None,
+                              mark=mark)
+    job.journal.append({"kind": "park", "namespace": "sf", "key": "q:m", "task_id": task_id,
+                        "task": "sfapp.queued", "message": "{}", "at": 1.0, "mark": mark})
+    assert store.client.zscore(store.layout.key(JOURNALED, "q:m"), mark) is not None
+    store.release("q:m", "holder-token")  # it is handed the key, and its message takes it
+    assert isinstance(store.acquire("q:m", "its-token", 30, Holder(task_id), handoff="h1"), Acquired)
+    job.compact_at = 0.0
+    assert job.sweep_once() == 0 and sent == [] and job.journal.entries() == []
+    assert store.client.zscore(store.layout.key(JOURNALED, "q:m"), mark) is None
+
+
 # -- the start of a run sent again ------------------------------------------------------------------
 
 
@@ -440,7 +498,8 @@ def _run(task: Any, task_id: str, headers: dict[str, Any], **parts: Any) -> Any:
     """What the stages see of a run of ``task`` (a worker's request with ``headers``)."""
     request = SimpleNamespace(id=task_id, hostname="w@host", headers=headers, ignore_result=False)
     return SimpleNamespace(task=task, request=request, task_id=task_id, key="q:k", args=("k", 1), kwargs={},
-                           eager=False, handoff="", guard=None, lease=None, **parts)
+                           eager=False, handoff="", guard=None, lease=None, claim=None, notes={},
+                           provisional=[], **parts)
 
 
 def test_a_recovered_run_whose_state_cannot_be_read_goes_on_rather_than_be_lost(sfapp: ModuleType) -> None:

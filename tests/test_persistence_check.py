@@ -78,8 +78,9 @@ def aof() -> Iterator[RedisServer]:
 
 
 def test_waiting_runs_are_read_from_each_tasks_options() -> None:
-    """Given tasks of every policy and time policy, exactly those that park or delay runs in
-    Redis are named, with the options that make them do so."""
+    """Given tasks of every policy, time policy and fair share, exactly those that park or delay
+    runs in Redis are named, with the options that make them do so (a fair task's main process
+    parks the runs that wait for a slot, whatever its duplicate policy)."""
     app = Celery("waiting", broker="memory://", backend="cache+memory://", set_as_current=False)
     app.conf.singleflight_redis_url = "redis://127.0.0.1:6399/0"
     declared = {
@@ -89,6 +90,7 @@ def test_waiting_runs_are_read_from_each_tasks_options() -> None:
         "join": {"on_duplicate": "join"}, "coalesce": {"on_duplicate": "coalesce"},
         "supersede": {"on_duplicate": "supersede"}, "beat": {"on_beat_duplicate": "queue"},
         "debounce": {"debounce": 2}, "rate": {"key_rate_limit": "10/m"},
+        "fair": {"fair_concurrency": 2, "fair_key": "<x>"},
     }
     def body(x: int) -> int:
         return x
@@ -101,6 +103,7 @@ def test_waiting_runs_are_read_from_each_tasks_options() -> None:
         "ordered": ["on_duplicate=queue"], "join": ["on_duplicate=join"],
         "coalesce": ["on_duplicate=coalesce"], "supersede": ["on_duplicate=supersede"],
         "beat": ["on_beat_duplicate=queue"], "debounce": ["debounce"], "rate": ["key_rate_limit"],
+        "fair": ["fair_concurrency=2"],
     }
 
 

@@ -31,11 +31,12 @@ from .. import constants, signals, tracing
 from ..config.option import Derived, Option, OptionGroup, Resolving, count, flag, seconds
 from ..errors import ConfigurationError, KeyPaused, LockHeld, QueueFull
 from ..protocol.controls import Paused
+from ..protocol.delayed import Claim
 from ..protocol.handoff import OWN_COPY
 from ..protocol.replies import Held, Parked
 from ..run.delay import resend_delayed
 from ..run.guard import Guard
-from ..run.journal import journal_waiting
+from ..run.journal import journal_waiting, new_mark
 from ..run.messages import HEADER_HANDOFF, HEADER_PARKED_AT, header, message_of, wait_state
 from ..run.stage import AGAIN, Run, Stage
 from ..states import JOINED, QUEUED
@@ -225,15 +226,16 @@ def park(dup: Duplicate) -> Any:
     handoff = uuid.uuid4().hex
     dup.store_state(QUEUED, {"key": dup.key, "holder": held.holder})
     message = dup.message(handoff, **{HEADER_PARKED_AT: mod_time.time()})  # random already: the token
+    mark = new_mark()
     parked = dup.guard.store.handoff.park(dup.key, dup.task_id, handoff, message, opts.max_queued,
-                                          opts.max_concurrency)
+                                          opts.max_concurrency, mark=mark)
     if parked is None:
         return AGAIN  # runs now: its own result replaces QUEUED
     if not isinstance(parked, Parked):
         dup.report("queue-full", f"queue full ({parked} waiting)", logging.WARNING)
         dup.clear_marker()
         raise QueueFull(dup.key, held.holder, held.ttl_left, parked)
-    journal_waiting(dup.task, dup.key, message, "park")
+    journal_waiting(dup.task, dup.key, message, "park", mark=mark)
     dup.report("queued", f"queued at position {parked.position}", logging.INFO)
     raise Ignore()
 
@@ -246,10 +248,11 @@ def join(dup: Duplicate) -> Any:
     (found by benchmarks/bench_contended.py: 1 to 8 of 2,000 duplicates stayed ``JOINED``)."""
     dup.task.backend.store_result(dup.task_id, {"key": dup.key, "holder": dup.held.holder}, JOINED)
     message = message_of(dup.task, dup.args, dup.kwargs)
-    joined = dup.guard.store.handoff.join(dup.key, message)
+    mark = new_mark()
+    joined = dup.guard.store.handoff.join(dup.key, message, mark=mark)
     if joined is None:
         return AGAIN  # runs now: its own result replaces JOINED
-    journal_waiting(dup.task, dup.key, message, "join")
+    journal_waiting(dup.task, dup.key, message, "join", mark=mark)
     dup.report("joined", f"joined ({joined[0]} waiting for its result)", logging.INFO)
     dup.clear_marker()
     raise Ignore()
@@ -278,6 +281,20 @@ def turn_away_redelivery(dup: Duplicate) -> Any:
         log.info("the first delivery of %s[%s] released key=%r meanwhile; this redelivery is not run",
                  task.name, dup.task_id, dup.key)
     raise Ignore()
+
+
+def wait_for_own_attempt(dup: Duplicate, claim: Claim) -> Any:
+    """A delayed run that claimed its copy finds its key held by its own task id: an earlier
+    attempt of this very run whose claim a sweeper took back (its worker seemed gone, or it was
+    slow) took the lease, and will not start. This run is the one that runs: it waits for that
+    lease, delayed again by its time left (a copy in Redis, as every delay), whatever its policy;
+    it is no redelivery to turn away (the earlier attempt's release would drop its copy)."""
+    held = dup.held
+    delay = max(held.ttl_left, constants.RETRY_MIN_DELAY)
+    dup.report("own-attempt", f"its earlier attempt holds the key; delayed {delay:.2f}s", logging.INFO)
+    first_seen, attempt = wait_state(dup.task.request)
+    resend_delayed(dup.task, dup.args, dup.kwargs, delay, first_seen, attempt,
+                   LockHeld(dup.key, held.holder, held.ttl_left), claim.key)
 
 
 def wait_for_pause(dup: Duplicate, eager: bool) -> Any:
@@ -331,6 +348,9 @@ class DuplicatePolicies(Stage):
         task = run.task
         assert run.guard is not None
         if held.holder and held.holder == run.task_id and not run.request.called_directly:
+            if run.claim is not None:  # this run claimed its delayed copy: the holder is a stale attempt
+                return wait_for_own_attempt(Duplicate(task, run.guard, held, run.args, run.kwargs, "own"),
+                                            run.claim)
             return turn_away_redelivery(Duplicate(task, run.guard, held, run.args, run.kwargs, "redelivery"))
         if isinstance(held, Paused):  # a paused key: every run waits in its queue, whatever its policy
             return wait_for_pause(Duplicate(task, run.guard, held, run.args, run.kwargs, "paused"), run.eager)

@@ -27,8 +27,9 @@ from ..config.option import Option, OptionGroup, Resolving, anything, count, sec
 from ..errors import ConfigurationError, LockHeld, QueueTimeout
 from ..keys import KeyFunction, compile_key
 from ..protocol.fair import Admitted, Waiting, fair_token, gate_key
-from ..protocol.replies import Acquired, Holder
+from ..protocol.replies import Acquired, Holder, Settlement
 from ..run.guard import Guard
+from ..run.journal import journal_waiting, new_mark
 from ..run.messages import (
     HEADER_ATTEMPT,
     HEADER_DELAYED,
@@ -38,8 +39,10 @@ from ..run.messages import (
     header,
     message_of,
 )
+from ..run.settle import Ending, settle
 from ..run.stage import Ended, Run, Stage, Sweep
 from ..states import QUEUED
+from .lostruns import watch_take
 
 __all__ = ["RESENT_HEADERS", "FairOptions", "FairShare", "QueueTimeouts", "queued_meta", "report_timeout",
            "weight_of"]
@@ -169,6 +172,7 @@ class FairShare(Stage):
             parked_at = header(request, HEADER_FAIR_WAITED) or repr(mod_time.time())
             return message_of(task, run.args, run.kwargs, **{HEADER_FAIR_WAITED: parked_at})
 
+        watch_take(run, self.gate, int(self.opts.fair_concurrency))  # a run that waited, until it starts
         for _ in range(constants.ACQUIRE_ATTEMPTS):
             got = guard.take(handoff=token)
             if isinstance(got, Acquired):
@@ -178,7 +182,8 @@ class FairShare(Stage):
                          task.name, run.task_id)
                 raise Ignore()
             # a countdown message, or a slot taken meanwhile: it waits (a free slot: take again)
-            found = self.wait(task, run.task_id, token, fair, keeps_result, message)
+            node = str(request.hostname or "")
+            found = self.wait(task, run.task_id, token, fair, keeps_result, message, node)
             if isinstance(found, Waiting):
                 raise Ignore()
             if found.slot < 0:
@@ -201,10 +206,11 @@ class FairShare(Stage):
         return None
 
     def wait(self, task: Any, task_id: str, token: str, fair: str, keeps_result: bool,
-             message: Callable[[], str]) -> Waiting | Admitted:
-        """Park a run at the gate, from the main process or the pool process: :class:`Waiting` once
-        parked (or parked before); :class:`Admitted` if a slot was free and is now reserved for it
-        (take it), or slot -1 if its token took a slot before.
+             message: Callable[[], str], node: str) -> Waiting | Admitted:
+        """Park a run at the gate, from the main process or the pool process of worker ``node``:
+        :class:`Waiting` once parked (or parked before); :class:`Admitted` if a slot was free and
+        is now reserved for it (take it), or slot -1 if its token took a slot before. A run parked
+        now is journaled (:mod:`..run.journal`): if the lease Redis loses it, it is sent again.
 
         ``QUEUED`` is stored before the run is parked: once parked it may be handed a slot, run
         and store its result at once. So a run whose result is kept asks first (``dry``), and
@@ -216,13 +222,24 @@ class FairShare(Stage):
         if keeps_result:
             found = store.fair.enter(*call, "", fair, weight, opts.ttl, dry=True)
             if not isinstance(found, Waiting) or found.parked:
-                return found
+                return self._admitted(task, task_id, found)
             task.backend.store_result(task_id, queued_meta(self.gate, fair, found), QUEUED)
-        found = store.fair.enter(*call, message(), fair, weight, opts.ttl)
+        body, mark = message(), new_mark()
+        found = store.fair.enter(*call, body, fair, weight, opts.ttl, mark=mark)
         if not isinstance(found, Waiting):
-            return found
+            if keeps_result:  # a slot freed meanwhile: it did not wait after all (nor is it watched)
+                task.backend.store_result(task_id, None, celery_states.PENDING)
+            return self._admitted(task, task_id, found)
+        journal_waiting(task, self.gate, body, "park", mark=mark, task_id=task_id, node=node)
         log.debug("%s[%s] waits for a fair slot at position %d (fair key %r)", task.name, task_id,
                   found.position, fair)
+        return found
+
+    def _admitted(self, task: Any, task_id: str, found: Waiting | Admitted) -> Waiting | Admitted:
+        """``found`` as it is; a run that died holding the slot reserved for this one is ended."""
+        if isinstance(found, Admitted) and found.dead is not None:
+            settle(task.app, Settlement(True, dead=(found.dead,)),
+                   Ending(self.gate, task.name, task_id, "took-over", signal=False))
         return found
 
     def finish(self, run: Run, outcome: str) -> None:

@@ -33,15 +33,16 @@ from celery import states as celery_states
 from celery.backends.base import DisabledBackend
 
 from .. import constants
-from ..protocol.started import StartedRun, Verdict, verdict
+from ..protocol.started import StartedRun, Verdict, verdict_of
 from ..protocol.store import LeaseStore
 from ..run.guard import options_store
 from ..run.journal import HEADER_RECOVERED
 from ..run.lost import end_lost_run, watched
 from ..run.messages import HEADER_ATTEMPT, HEADER_DELAYED, HEADER_FAIR_WAITED, HEADER_HANDOFF, header
 from ..run.stage import Ended, Run, Stage, Sweep
+from .delayed import started
 
-__all__ = ["FailLostRuns", "LostRuns", "WAITED_HEADERS"]
+__all__ = ["FailLostRuns", "LostRuns", "WAITED_HEADERS", "watch_take", "waited"]
 
 log = logging.getLogger("celery_singleflight.release")
 
@@ -50,6 +51,39 @@ log = logging.getLogger("celery_singleflight.release")
 #: limit (RETRY) or by debounce (DEBOUNCED: only a delayed call is ever in that state); sent again
 #: after the lease Redis lost its data (still in the state it waited in); handed its fair slot (QUEUED)
 WAITED_HEADERS = (HEADER_HANDOFF, HEADER_ATTEMPT, HEADER_DELAYED, HEADER_RECOVERED, HEADER_FAIR_WAITED)
+
+
+def waited(run: Run) -> bool:
+    """Whether ``run`` waited before it started (its headers say so) and keeps a result state that
+    only its own end replaces, which a run lost with its worker would keep for ever."""
+    request, task = run.request, run.task
+    if run.eager or all(header(request, name) is None for name in WAITED_HEADERS):
+        return False
+    return not (request.ignore_result or task.ignore_result or isinstance(task.backend, DisabledBackend))
+
+
+def _waited(run: Run) -> bool:
+    """:func:`waited`, asked once per run."""
+    known = run.notes.get(LostRuns)
+    if known is None:
+        known = run.notes[LostRuns] = waited(run)
+    return bool(known)
+
+
+def watch_take(run: Run, key: str, slots: int) -> None:
+    """Before a run that waited takes ``key`` (of ``slots`` slots): enter it in the started index
+    (a provisional member, due when the lease it takes would run out), so that a worker dying
+    between the take and the run's start leaves it watched. One ``ZADD``; its start replaces it."""
+    if not (_waited(run) and watched(run.task)):
+        return
+    entry = StartedRun.provisional(key, slots, run.task_id, str(run.request.hostname or ""))
+    try:
+        run.task.store.started.enter(entry, run.options.ttl + constants.LOST_RUN_GRACE)
+    except redis.RedisError as exc:  # its take meets the same Redis: on_redis_error decides
+        log.debug("could not enter %s[%s] on key=%r in the started index before its take: %s",
+                  run.task.name, run.task_id, key, exc)
+        return
+    run.provisional.append(entry)
 
 
 class LostRuns(Stage):
@@ -69,11 +103,15 @@ class LostRuns(Stage):
                 found[(id(store.client), task.options.namespace)] = store
         return [FailLostRuns(app, store) for store in found.values()]
 
+    def before_lease(self, run: Run) -> Ended | None:
+        watch_take(run, run.key, run.options.max_concurrency)
+        return None
+
     def on_start(self, run: Run) -> Ended | None:
         request, task = run.request, run.task
-        if run.eager or all(header(request, name) is None for name in WAITED_HEADERS):
-            return None
-        if request.ignore_result or task.ignore_result or isinstance(task.backend, DisabledBackend):
+        if not _waited(run):
+            if run.claim is not None:
+                started(run)  # a delayed run's copy is done all the same
             return None
         if not task.track_started:  # else Celery wrote it; only the run's own end replaces it
             meta = {"pid": os.getpid(), "hostname": request.hostname, "key": run.key}
@@ -83,12 +121,16 @@ class LostRuns(Stage):
                 log.warning("could not mark %s[%s] on key=%r STARTED: %s", task.name, run.task_id, run.key,
                             exc)
         if not watched(task):
+            started(run)
             return None
         guard, lease = run.guard, run.lease
         assert guard is not None and lease is not None
-        started = StartedRun(run.key, lease.slot, run.task_id, lease.fence, str(request.hostname or ""))
+        entry = StartedRun(run.key, lease.slot, run.task_id, lease.fence, str(request.hostname or ""))
+        look, provisional = lease.time_left + constants.LOST_RUN_GRACE, run.provisional
         try:
-            guard.store.started.enter(started, lease.time_left + constants.LOST_RUN_GRACE)
+            # watched as started (its provisional members go), then its delayed copy (if any)
+            # done: one round trip
+            started(run, lambda pipe: guard.store.started.enter(entry, look, pipe, instead_of=provisional))
         except redis.RedisError as exc:  # the run goes on; only its loss would go unreported
             log.warning("could not enter %s[%s] on key=%r in the started index: %s", run.task.name,
                         run.task_id, run.key, exc)
@@ -115,9 +157,11 @@ class FailLostRuns(Sweep):
                 started.drop(member)
             else:
                 entries.append((member, entry))
-        snapshots = self.store.reads.snapshots([(entry.key, entry.slot) for _, entry in entries])
-        for (member, entry), (record, _, now) in zip(entries, snapshots, strict=True):
-            seen, left = verdict(record, now, entry)
+        wanted = [(entry.key, slot) for _, entry in entries for slot in entry.slots]
+        snapshots = iter(self.store.reads.snapshots(wanted))
+        for member, entry in entries:
+            found = [next(snapshots) for _ in entry.slots]
+            seen, left = verdict_of([record for record, _, _ in found], found[0][2], entry)
             if seen is Verdict.LIVE:
                 started.plan(member, left + constants.LOST_RUN_GRACE)
             elif seen is Verdict.ENDED or self.fail(entry):

@@ -34,7 +34,7 @@ from ..config.option import Option, OptionGroup, Resolving, choice, seconds, sig
 from ..errors import ConfigurationError, Superseded
 from ..protocol.store import LeaseStore
 from ..run.guard import HOLD_SENDER, options_store
-from ..run.journal import journal_waiting
+from ..run.journal import journal_waiting, new_mark
 from ..run.messages import HEADER_SENT, header
 from ..run.settle import answer_joined
 from ..run.stage import AGAIN, Ended, Run, Send, Stage, Sweep
@@ -114,12 +114,13 @@ def _pending(dup: Duplicate, mode: str) -> tuple[str, ...] | str | None:
     dup.store_state(QUEUED, {"key": dup.key, "holder": dup.held.holder})
     stamp = str(header(task.request, HEADER_SENT) or "")
     message = dup.message(handoff)
+    mark = new_mark()
     got = dup.guard.store.newest.coalesce(
         dup.key, dup.task_id, handoff, message, mode, stamp, opts.max_concurrency,
-        supersede_grace=opts.supersede_grace, supersede_signal=opts.supersede_signal,
+        supersede_grace=opts.supersede_grace, supersede_signal=opts.supersede_signal, mark=mark,
     )
     if isinstance(got, tuple):  # it is the pending run now
-        journal_waiting(task, dup.key, message, "pending")
+        journal_waiting(task, dup.key, message, "pending", mark=mark)
     return got
 
 

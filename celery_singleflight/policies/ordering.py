@@ -32,7 +32,7 @@ from ..errors import ConfigurationError
 from ..protocol.order import GateReply
 from ..protocol.store import LeaseStore
 from ..run.guard import options_store
-from ..run.journal import journal_waiting
+from ..run.journal import journal_waiting, new_mark
 from ..run.messages import HEADER_EARLIER, HEADER_HANDOFF, HEADER_SEQ, header, message_of
 from ..run.settle import send_parked
 from ..run.stage import Ended, Run, Send, Stage, Sweep
@@ -107,11 +107,12 @@ def pass_gate(task: Any, store: LeaseStore, key: str, args: tuple[Any, ...], kwa
     tag = (request.delivery_info or {}).get("delivery_tag") or ""
     delivery = f"{request.id or ''}|{tag}"
     message = message_of(task, args, kwargs)
-    code = store.order.gate(key, int(seq), delivery, message, task.options.order_timeout)
+    mark = new_mark()
+    code = store.order.gate(key, int(seq), delivery, message, task.options.order_timeout, mark=mark)
     if code == GateReply.GO:
         return Gate(task.app, store, key, int(seq), delivery)
     if code == GateReply.WAIT:
-        journal_waiting(task, key, message, "order")
+        journal_waiting(task, key, message, "order", mark=mark)
         log.info("%s[%s] #%s waits for its turn on key=%r", task.name, request.id, seq, key)
         raise Ignore()
     if code == GateReply.LATE:

@@ -5,8 +5,10 @@ constants, each script registered once on the client; and the few conversions at
 from __future__ import annotations
 
 import time as mod_time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import redis
 
 from ..connection.scripts import ClientScript
 from ..connection.targets import is_cluster
@@ -55,6 +57,43 @@ class Context:
         if found is None:
             found = self._scripts[script.name] = ClientScript(self.client, script.source)
         return found
+
+    def pipelined(self, script: Script, calls: Sequence[tuple[list[str], list[Any]]],
+                  then: Callable[[Any], Any] | None = None) -> list[Any]:
+        """``script`` once per ``(keys, args)`` of ``calls``, then ``then(pipe)``, in one round trip
+        (a script Redis does not know yet is loaded and run again, which is safe: every script is).
+        A Cluster's pipelines refuse scripts: there each is one call, then ``then(client)``. The
+        scripts' replies; an error of any command is raised."""
+        called = self.script(script)
+        if self.cluster:
+            replies: list[Any] = [called(keys=keys, args=args) for keys, args in calls]
+            if then is not None:
+                then(self.client)
+            return replies
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(called.sha.decode(), len(keys), *keys, *args)
+        if then is not None:
+            then(pipe)
+        found = pipe.execute(raise_on_error=False)
+        replies, rest = found[: len(calls)], found[len(calls):]
+        for i, ((keys, args), reply) in enumerate(zip(calls, replies, strict=True)):
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                replies[i] = called(keys=keys, args=args)  # loads it
+            elif isinstance(reply, Exception):
+                raise reply
+        for error in rest:
+            if isinstance(error, Exception):
+                raise error
+        return replies
+
+    def call(self, script: Script, keys: list[str], args: list[Any],
+             then: Callable[[Any], Any] | None = None) -> Any:
+        """``script`` with ``keys`` and ``args``, and ``then(pipe)`` in the same round trip (None:
+        the script alone). Its reply."""
+        if then is None:
+            return self.script(script)(keys=keys, args=args)
+        return self.pipelined(script, [(keys, args)], then)[0]
 
 
 class Feature:

@@ -8,24 +8,33 @@ a worker's sweeper finds a run whose message has not started :data:`~..constants
 after its due time (the namespace's *delayed index*) and sends the copy (``RESEND``). Every
 message of a delayed run carries a token; when one starts it *claims* the run (``CLAIM``), so of
 the countdown message and the copies sent again, exactly one runs: a late one is stale.
+
+Every copy that waits has an owner a sweeper can check: the worker that noted holding its
+message (``TOUCH``), and once claimed, the claimant's worker. The claim keeps the copy until the
+claimant says its run started (then it is watched as a started run: :mod:`.started`) or ended
+(``CLAIM_DONE``); a claim whose worker is gone is taken back and the copy sent again.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from .. import constants
 from .context import Feature, due_ms, ms, text
+from .journaled import JOURNALED
 from .layout import Part, duration
 from .lua import Replies, Script
 
 __all__ = [
-    "CLAIM", "DELAY", "DELAYED", "DELAYED_DUE", "DELAYED_ENDS", "RESEND", "SCRIPTS", "TOUCH", "WORKERS",
-    "ClaimReply", "DelayReply", "DelayedCalls", "ResendReply", "TouchReply", "copy_waits",
+    "CLAIM", "CLAIM_DONE", "DELAY", "DELAYED", "DELAYED_DUE", "DELAYED_ENDS", "RESEND", "SCRIPTS", "TOUCH",
+    "WORKERS",
+    "Claim", "ClaimDoneReply", "ClaimReply", "DelayReply", "DelayedCalls", "ResendReply", "Resent",
+    "TouchReply", "copy_waits",
 ]
 
 DELAYED = Part("delayed", "hash: task id → JSON (token, due, message)",
@@ -43,12 +52,19 @@ WORKERS = Part("workers", "sorted set: worker → when its sweeper last ran (ms)
 
 class DelayReply(Replies):
     DELAYED = 1, "{DELAYED, due ms}: the copy is kept"
+    NOT_CLAIMED = 2, ("{NOT_CLAIMED}: another copy owns the run now (the caller's claim was taken back, or"
+                      " this call, sent again, found a copy that claimed it): nothing is kept")
 
 
 class ClaimReply(Replies):
     GO = 1, "{GO}: this copy runs (also when no copy is known)"
     STALE = 2, "{STALE}: another copy runs or ran: drop this one"
     GO_LATE = 3, "{GO_LATE}: this copy runs; the run was sent again by a sweeper, late"
+
+
+class ClaimDoneReply(Replies):
+    DONE = 1, "{DONE}: the run goes on (its copy is no longer needed)"
+    TAKEN_BACK = 2, "{TAKEN_BACK}: a sweeper took the claim back and sent the copy again: do not start"
 
 
 class TouchReply(Replies):
@@ -59,16 +75,39 @@ class TouchReply(Replies):
 class ResendReply(Replies):
     GONE = 0, "{GONE}: it started (or is unknown): forget it"
     NOT_DUE = 1, "{NOT_DUE, ms}: not due, or a live worker holds a copy: look again then"
-    RESEND = 2, "{RESEND, message, headers (JSON) or ''}: send it again with the new token"
+    RESEND = 2, ("{RESEND, message, headers (JSON) or '', lease token or ''}: send it again with the new"
+                 " token (and the lease token of the claimant whose claim was taken back)")
 
 
-_LIBS = ("shared/common.lua", "delayed/delayed.lua")
+_LIBS = ("shared/common.lua", "shared/journal.lua", "delayed/delayed.lua")
 _LUA = dict(constants.LUA_CONSTANTS)
 DELAY = Script("DELAY", "delayed/delay.lua", _LIBS, replies=(DelayReply,), constants=_LUA)
 CLAIM = Script("CLAIM", "delayed/claim.lua", _LIBS, replies=(ClaimReply,), constants=_LUA)
+CLAIM_DONE = Script("CLAIM_DONE", "delayed/done.lua", _LIBS, replies=(ClaimDoneReply,), constants=_LUA)
 RESEND = Script("RESEND", "delayed/resend.lua", _LIBS, replies=(ResendReply,), constants=_LUA)
 TOUCH = Script("TOUCH", "delayed/touch.lua", _LIBS, replies=(TouchReply,), constants=_LUA)
-SCRIPTS = (DELAY, CLAIM, RESEND, TOUCH)
+SCRIPTS = (DELAY, CLAIM, CLAIM_DONE, RESEND, TOUCH)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A delayed run's copy claimed by this run (``token``: its message's) on ``key``, until the
+    run says it started or ended (:meth:`DelayedCalls.done`)."""
+
+    key: str
+    task_id: str
+    token: str
+
+
+@dataclass(frozen=True)
+class Resent:
+    """A copy a sweeper is to send: its message, the headers it carries besides its token, and
+    the lease token of the claimant whose claim was taken back ('' if none): if that claimant
+    took its lease, the copy takes the lease over (``HEADER_EARLIER``)."""
+
+    message: str
+    headers: dict[str, Any]
+    took: str
 
 
 def copy_waits(raw: Any) -> bool:
@@ -86,13 +125,20 @@ class DelayedCalls(Feature):
     __slots__ = ()
 
     def delay(self, key: str, task_id: str, token: str, message: str, countdown: float, *,
-              restore: bool = False) -> float:
+              restore: bool = False, mark: str = "", claimed: str = "") -> float | None:
         """Keep a copy of a run delayed by ``countdown`` seconds, whose countdown message carries
         ``token``, and enter it in the delayed index (one round trip). ``restore``: put back a
-        copy Redis lost, only if the run has no entry now. Returns its due time (epoch seconds,
-        the server's clock)."""
-        args = [task_id, token, message, ms(countdown) if countdown > 0 else 0, "1" if restore else ""]
-        reply = self.with_index(DELAY, self.keys(key), args, key, task_id, countdown)
+        copy Redis lost, only if the run has no entry now. ``mark``: its journal line's
+        (:mod:`.journaled`). ``claimed``: the caller's claim of the run, which must still stand.
+        None when another copy owns the run now (the claim was taken back, or this call's reply
+        was lost and a copy claimed the run before it was sent again): the caller must not send
+        its countdown message. Returns its due time (epoch seconds, the server's clock)."""
+        args = [task_id, token, message, ms(countdown) if countdown > 0 else 0, "1" if restore else "", mark,
+                claimed]
+        keys = [*self.keys(key), self.ctx.layout.key(JOURNALED, key)]
+        reply = self.with_index(DELAY, keys, args, key, task_id, countdown)
+        if int(reply[0]) == DelayReply.NOT_CLAIMED:
+            return None
         return int(reply[1]) / 1000.0
 
     def keys(self, key: str) -> list[str]:
@@ -106,41 +152,50 @@ class DelayedCalls(Feature):
         not due yet is looked at again when it is): one round trip. Returns the script's reply."""
         look = due_ms(look_in + constants.DELAYED_GRACE)
         index, member = self.ctx.layout.index(DELAYED_DUE), _member(key, task_id)
-        return self._pipelined(script, [(keys, args)], lambda pipe: pipe.zadd(index, {member: look}))[0]
+        return self.ctx.pipelined(script, [(keys, args)], lambda pipe: pipe.zadd(index, {member: look}))[0]
 
-    def _pipelined(self, script: Script, calls: list[tuple[list[str], list[Any]]],
-                   then: Callable[[Any], Any] | None = None) -> list[Any]:
-        """``script`` once per ``(keys, args)`` of ``calls``, then ``then(pipe)``, in one pipeline
-        (one round trip; a script Redis does not know yet is loaded and run again, which is safe).
-        A Cluster's pipelines refuse scripts: there each is one call. The scripts' replies."""
-        called = self.ctx.script(script)
-        if self.ctx.cluster:
-            replies: list[Any] = [called(keys=keys, args=args) for keys, args in calls]
-            if then is not None:
-                then(self.ctx.client)
-            return replies
-        pipe = self.ctx.client.pipeline(transaction=False)
-        for keys, args in calls:
+    def claim(self, key: str, task_id: str, token: str, owner: str, lease_token: str) -> ClaimReply:
+        """A delayed run's message starts: does this copy run (GO, GO_LATE: it was sent again
+        late), or is it STALE (another copy runs or ran)? ``owner``: the claimant's worker
+        (:func:`..run.owner.worker_instance`), which must say its run started or ended
+        (:meth:`done`) before a sweeper's look, due :data:`~..constants.WORKER_GONE_AFTER` plus the
+        grace from now, takes the claim back if that worker is gone. One round trip."""
+        look = due_ms(constants.WORKER_GONE_AFTER + constants.DELAYED_GRACE)
+        index, member = self.ctx.layout.index(DELAYED_DUE), _member(key, task_id)
+        reply = self.ctx.pipelined(CLAIM, [(self.keys(key), [task_id, token, owner, lease_token])],
+                                lambda pipe: pipe.zadd(index, {member: look}))[0]
+        return ClaimReply(int(reply[0]))
+
+    def done(self, claim: Claim, before: Callable[[Any], Any] | None = None) -> ClaimDoneReply:
+        """The run of ``claim`` started or ended: its copy is no longer needed, unless a sweeper
+        took the claim back (TAKEN_BACK: the run must not start). ``before(pipe)`` adds commands
+        to the same round trip, ahead of the script (the started index's entry: a run is watched
+        as started before its copy goes). The run leaves the delayed index only on DONE (in the
+        script; on a Cluster, right after it)."""
+        index, member = self.ctx.layout.index(DELAYED_DUE), _member(claim.key, claim.task_id)
+        keys, args = self.keys(claim.key), [claim.task_id, claim.token, member]
+        if self.ctx.cluster:  # the index is in another slot: dropped after a DONE
+            if before is not None:
+                before(self.ctx.client)
+            reply = self.ctx.script(CLAIM_DONE)(keys=keys, args=args)
+            if int(reply[0]) == ClaimDoneReply.DONE:
+                self.ctx.client.zrem(index, member)
+        else:
+            called = self.ctx.script(CLAIM_DONE)
+            keys.append(index)
+            pipe = self.ctx.client.pipeline(transaction=False)
+            if before is not None:
+                before(pipe)
             pipe.evalsha(called.sha.decode(), len(keys), *keys, *args)
-        if then is not None:
-            then(pipe)
-        replies = pipe.execute(raise_on_error=False)[: len(calls)]
-        for i, ((keys, args), reply) in enumerate(zip(calls, replies, strict=True)):
+            *ahead, reply = pipe.execute(raise_on_error=False)
+            for error in ahead:
+                if isinstance(error, Exception):
+                    raise error
             if isinstance(reply, redis.exceptions.NoScriptError):
-                replies[i] = called(keys=keys, args=args)  # loads it
+                reply = called(keys=keys, args=args)  # loads it
             elif isinstance(reply, Exception):
                 raise reply
-        return replies
-
-    def claim(self, key: str, task_id: str, token: str) -> ClaimReply:
-        """A delayed run's message starts: does this copy run (GO, GO_LATE: it was sent again
-        late), or is it STALE (another copy runs or ran)?"""
-        layout = self.ctx.layout
-        reply = self.ctx.script(CLAIM)(keys=self.keys(key), args=[task_id, token])
-        code = ClaimReply(int(reply[0]))
-        if code != ClaimReply.STALE:
-            self.ctx.client.zrem(layout.index(DELAYED_DUE), _member(key, task_id))
-        return code
+        return ClaimDoneReply(int(reply[0]))
 
     def due(self, limit: int = 100) -> list[tuple[str, str]]:
         """``(key, task id)`` of the delayed runs to look at now."""
@@ -152,17 +207,15 @@ class DelayedCalls(Feature):
             found.append((str(key), str(task_id)))
         return found
 
-    def resend(self, key: str, task_id: str, token: str,
-               alive: list[str]) -> tuple[str, dict[str, Any]] | None:
-        """The message to send again under ``token`` and the headers it must carry besides, or
-        None (it started; it is not due; or a worker in ``alive`` holds a copy: the index is
-        updated either way)."""
+    def resend(self, key: str, task_id: str, token: str, alive: list[str]) -> Resent | None:
+        """The copy to send again under ``token``, or None (it started; it is not due; or a worker
+        in ``alive`` holds a copy or its claim: the index is updated either way)."""
         layout = self.ctx.layout
         reply = self.ctx.script(RESEND)(keys=[layout.key(DELAYED, key)], args=[task_id, token, *alive])
         code = int(reply[0])
         if code == ResendReply.RESEND:
             headers = text(reply[2])
-            return text(reply[1]), (json.loads(headers) if headers else {})
+            return Resent(text(reply[1]), json.loads(headers) if headers else {}, text(reply[3]))
         index, member = layout.index(DELAYED_DUE), _member(key, task_id)
         if code == ResendReply.GONE:
             self.ctx.client.zrem(index, member)
@@ -177,7 +230,7 @@ class DelayedCalls(Feature):
     def touch(self, received: list[tuple[str, str, str]], worker: str) -> None:
         """Note that ``worker`` holds these copies (``(key, task id, token)``): one round trip."""
         layout = self.ctx.layout
-        self._pipelined(TOUCH, [([layout.key(DELAYED, key)], [task_id, token, worker])
+        self.ctx.pipelined(TOUCH, [([layout.key(DELAYED, key)], [task_id, token, worker])
                                 for key, task_id, token in received])
 
     def alive(self, worker: str) -> list[str]:

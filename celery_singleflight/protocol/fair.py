@@ -30,10 +30,12 @@ from .. import constants
 from .context import Feature, due_ms, ms, text
 from .fields import PATTERNS
 from .handoff import ADOPTED, PARKED, QUEUE, WAITING
+from .journaled import JOURNALED
 from .layout import Part, duration
 from .lua import Replies, Script
 from .reads import RunReads
 from .record import RunRecord
+from .replies import DeadHolder
 
 __all__ = ["FAIR_ENTER", "FAIR_SINCE", "FAIR_STATE", "FAIR_TAGS", "FAIR_TIMED_OUT", "FAIR_TIMEOUT",
            "FAIR_TIMES", "FAIR_WEIGHTS", "PARTS", "SCRIPTS",
@@ -59,16 +61,21 @@ GATE_PREFIX = "fair:"
 #: (waiting index, gate) -> (due ms, monotonic time) of this process's last entry of the gate
 _INDEXED: dict[tuple[str, str], tuple[int, float]] = {}
 _INDEXED_KEPT = 1000
+#: how much later than wanted (ms) a gate's look in the waiting index may be (the sweeper looks
+#: about once a second)
+_DUE_SLACK = 100
 
 
 class FairReply(Replies):
-    ADMITTED = 1, "{ADMITTED, slot}: a slot is reserved for it (-1: it took one before)"
+    ADMITTED = 1, ("{ADMITTED, slot, dead task id, its worker, its task name}: a slot is reserved for it (-1:"
+                   " it took one before), in place of a run whose lease ran out unreleased, if named")
     PARKED = 2, "{PARKED, position, n, mean run ms, ms until a lease runs out, holders' elapsed ms...}"
     WOULD_PARK = 3, "{WOULD_PARK, position, ...}: as PARKED, but nothing was written"
 
 
 _LUA = {**constants.LUA_CONSTANTS, **PATTERNS, "FAIR_BY": "fair", "FAIR_LAST": "last:", "FAIR_OF": "of:"}
-FAIR_ENTER = Script("FAIR_ENTER", "fair/enter.lua", ("shared/common.lua", "fair/fair.lua"),
+FAIR_ENTER = Script("FAIR_ENTER", "fair/enter.lua",
+                    ("shared/common.lua", "shared/journal.lua", "shared/dead.lua", "fair/fair.lua"),
                     replies=(FairReply,), constants=_LUA)
 FAIR_TIMEOUT = Script("FAIR_TIMEOUT", "fair/timeout.lua", ("shared/common.lua", "fair/fair.lua"),
                       constants=_LUA)
@@ -104,9 +111,11 @@ class Waiter:
 
 @dataclass(frozen=True)
 class Admitted:
-    """The run may start: a slot of the gate is reserved for it (``slot`` -1: it took one before)."""
+    """The run may start: a slot of the gate is reserved for it (``slot`` -1: it took one before);
+    ``dead``: the run whose lease ran out unreleased on that slot (the caller ends it)."""
 
     slot: int
+    dead: DeadHolder | None = None
 
 
 @dataclass(frozen=True)
@@ -143,19 +152,21 @@ class FairCalls(Feature):
                 layout.key(FAIR_WEIGHTS, gate), layout.key(FAIR_TIMES, gate), layout.key(FAIR_SINCE, gate)]
 
     def enter(self, gate: str, slots: int, task_id: str, token: str, message: str, fair: str, weight: float,
-              ttl: float, *, dry: bool = False) -> Admitted | Waiting:
+              ttl: float, *, dry: bool = False, mark: str = "") -> Admitted | Waiting:
         """Enter the gate: :class:`Admitted`, or :class:`Waiting` (parked unless ``dry``, which
         only says where it would wait). A parked gate is entered in the waiting index, due when
         its first lease would run out, so that the sweeper hands on a dead holder's slot
-        (:meth:`_index`)."""
+        (:meth:`_index`). ``mark``: the journal line's of the run if it parks (:mod:`.journaled`)."""
         reply = self.ctx.script(FAIR_ENTER)(
-            keys=self.keys(gate, slots),
+            keys=[*self.keys(gate, slots), self.ctx.layout.key(JOURNALED, gate)],
             args=[f"{task_id}|{token}", message, slots, ms(ttl), self.ctx.keep_ms, fair, weight,
-                  "1" if dry else ""],
+                  "1" if dry else "", mark],
         )
         code = int(reply[0])
         if code == FairReply.ADMITTED:
-            return Admitted(int(reply[1]))
+            named = len(reply) >= 5 and text(reply[2])
+            dead = DeadHolder(*(text(p) for p in reply[2:5])) if named else None
+            return Admitted(int(reply[1]), dead)
         waiting = _waiting(reply, parked=code == FairReply.PARKED)
         if code == FairReply.PARKED:
             left = int(reply[4])
@@ -170,10 +181,13 @@ class FairCalls(Feature):
         ``behind_others`` found the queue not empty, so the gate is in the index already (the
         park that made the queue not empty entered it, and the sweeper keeps a gate there while
         its queue is not): this process does not enter it again for
-        :data:`~..constants.FAIR_INDEXED_FRESH` after it did, as soon or sooner."""
+        :data:`~..constants.FAIR_INDEXED_FRESH` after it did, as soon or sooner (within
+        :data:`_DUE_SLACK`: ``due`` is the holder's deadline seen from this process's clock, which
+        moves by the round trip's jitter between two parks of one burst)."""
         index, now = self.ctx.layout.index(WAITING), mod_time.monotonic()
         known = _INDEXED.get((index, gate))
-        fresh = known is not None and known[0] <= due and now - known[1] < constants.FAIR_INDEXED_FRESH
+        fresh = (known is not None and known[0] <= due + _DUE_SLACK
+                 and now - known[1] < constants.FAIR_INDEXED_FRESH)
         if behind_others and fresh:
             return
         self.ctx.client.zadd(index, {gate: due}, lt=True)

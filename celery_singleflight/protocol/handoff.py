@@ -22,14 +22,16 @@ import uuid
 from typing import Any
 
 from .. import constants
+from ..connection.cluster import clocks_ms
 from .context import Feature, due_ms, ms, text
 from .controls import CONTROL_CONSTANTS, LIMITS, PAUSED, remember_slots, slots_for
 from .fields import FLAG, PATTERNS, TEXT, Field, RecordBase, VersionReply, refuse_foreign
 from .inbox import INBOX_CONSTANTS
+from .journaled import JOURNALED
 from .layout import Part, duration
 from .lua import Replies, Script
 from .marks import ENQUEUED
-from .replies import Parked, Settlement
+from .replies import DeadHolder, Parked, Settlement
 
 __all__ = [
     "ADOPTED", "FORCE_RELEASE", "JOIN", "JOINED", "OWN_COPY", "PARK", "PARKED", "PARTS", "QUEUE", "RESUME",
@@ -70,7 +72,7 @@ class HandoffFields(RecordBase):
 
     reserved = Field(FLAG, "the slot waits for the parked run named by ``token``/``task_id``",
                      writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"),
-                     readers=("PARK", "COALESCE", "ops.keystatus", "run.lost", "policies.newest",
+                     readers=("PARK", "COALESCE", "ops.keystatus", "policies.newest",
                               "protocol.started", "protocol.fair"))
     by = Field(TEXT, "who reserved the slot (a releasing token, a sweep's call id): a replay answers"
                " the same",
@@ -82,11 +84,14 @@ class HandoffFields(RecordBase):
     joined = Field(FLAG, "runs joined this run: its release hands their messages back",
                    writers=("ACQUIRE", "RELEASE", "JOIN", "RESUME", "FORCE_RELEASE"),
                    readers=())
-    prev_worker = Field(TEXT, "on a reservation of a slot whose holder died: that holder's worker, so that a"
-                        " re-sent ACQUIRE names it again (its caller ends that run)",
-                        writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE"), readers=("ACQUIRE",))
-    prev_task_name = Field(TEXT, "and its task name", writers=("ACQUIRE", "RELEASE", "RESUME",
-                                                               "FORCE_RELEASE"), readers=("ACQUIRE",))
+    prev_worker = Field(TEXT, "on a record (a reservation, or a lease) that replaced a holder whose lease ran"
+                        " out unreleased: that holder's worker, so that a re-sent call names it again (its"
+                        " caller ends that run)",
+                        writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"),
+                        readers=("ACQUIRE", "RESUME", "FAIR_ENTER"))
+    prev_task_name = Field(TEXT, "and its task name",
+                           writers=("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"),
+                           readers=("ACQUIRE", "RESUME", "FAIR_ENTER"))
     released_by = Field(TEXT, "who force-released the run", writers=("FORCE_RELEASE",),
                         readers=("ops.keystatus",))
 
@@ -105,7 +110,8 @@ class JoinReply(Replies):
 class ResumeReply(Replies):
     NOTHING_WAITS = 0, "{NOTHING_WAITS}: no run is parked or joined"
     ALL_HELD = 1, "{ALL_HELD, ms until a lease runs out}: look again then"
-    HANDED_ON = 2, "{HANDED_ON, reservation ms, message or '', orphaned joined runs...}"
+    HANDED_ON = 2, ("{HANDED_ON, reservation ms, message or '', k, k x (dead task id, its worker, its task"
+                    " name), orphaned joined runs...}")
     MORE_SLOTS = 3, "{MORE_SLOTS, slots}: the key's limits allow more slots than were named: call again so"
 
 
@@ -114,7 +120,7 @@ class ForceReleaseReply(Replies):
     FORCE_RELEASED = 1, "{FORCE_RELEASED, released task id, its fence, message or '', joined runs...}"
 
 
-_LIBS = ("shared/common.lua", "handoff/handoff.lua")
+_LIBS = ("shared/common.lua", "shared/journal.lua", "shared/dead.lua", "handoff/handoff.lua")
 _LUA = {**constants.LUA_CONSTANTS, **PATTERNS, **CONTROL_CONSTANTS, "OWN_COPY": OWN_COPY, "TAKEN": TAKEN,
         "ANSWERED": ANSWERED}
 _WITH_CONTROLS = (*_LIBS, "controls/controls.lua")
@@ -143,16 +149,16 @@ class HandoffCalls(Feature):
         self.ctx.client.zadd(self.ctx.layout.index(WAITING), {key: due_ms(seconds)}, lt=earlier_only)
 
     def park(self, key: str, task_id: str, handoff: str, message: str, max_queued: int | None,
-             slots: int = 1) -> Parked | int | None:
+             slots: int = 1, *, mark: str = "") -> Parked | int | None:
         """Park a duplicate in the key's FIFO: :class:`Parked`, or the queue length if it is
         full, or None if a slot is free now (acquire again). The key is entered in the waiting
         index, due when the holder's lease would run out (or its pause ends: a paused key parks
-        the run even when a slot is free)."""
+        the run even when a slot is free). ``mark``: its journal line's (:mod:`.journaled`)."""
         layout = self.ctx.layout
         reply = self.ctx.script(PARK)(
             keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
-                  layout.key(ADOPTED, key), layout.key(PAUSED, key)],
-            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots],
+                  layout.key(ADOPTED, key), layout.key(PAUSED, key), layout.key(JOURNALED, key)],
+            args=[f"{task_id}|{handoff}", message, -1 if max_queued is None else max_queued, slots, mark],
         )
         code = int(reply[0])
         if code == ParkReply.FREE:
@@ -163,13 +169,15 @@ class HandoffCalls(Feature):
         self._waiting_due(key, ttl_left + constants.RESUME_GRACE)
         return Parked(position=int(reply[1]), holder_ttl_left=ttl_left)
 
-    def join(self, key: str, message: str) -> tuple[int, str] | None:
+    def join(self, key: str, message: str, *, mark: str = "") -> tuple[int, str] | None:
         """Join the holder's run (it will answer with its result): (joined count, holder id),
         or None if the key is free now (acquire again). The key is entered in the waiting index,
-        so a holder that dies leaves its joined runs to the sweeper."""
+        so a holder that dies leaves its joined runs to the sweeper. ``mark``: its journal
+        line's (:mod:`.journaled`)."""
         layout = self.ctx.layout
-        keys = [layout.run(key), layout.key(JOINED, key), layout.key(SETTLED, key)]
-        reply = self.ctx.script(JOIN)(keys=keys, args=[message])
+        keys = [layout.run(key), layout.key(JOINED, key), layout.key(SETTLED, key),
+                layout.key(JOURNALED, key)]
+        reply = self.ctx.script(JOIN)(keys=keys, args=[message, mark])
         if int(reply[0]) == JoinReply.FREE:
             return None
         self._waiting_due(key, max(0, int(reply[3])) / 1000.0 + constants.RESUME_GRACE)
@@ -210,16 +218,42 @@ class HandoffCalls(Feature):
         self._waiting_due(key, int(reply[1]) / 1000.0 + constants.RESUME_GRACE, earlier_only=False)
         if code != ResumeReply.HANDED_ON:
             return None
-        return _settlement(reply, 2)
+        named, rest = int(reply[3]), reply[4:]
+        dead = tuple(DeadHolder(*(text(part) for part in rest[i:i + 3])) for i in range(0, 3 * named, 3))
+        return Settlement(True, text(reply[2]) or None, tuple(text(m) for m in rest[3 * named:]), dead)
 
-    def taken_joined(self, key: str) -> dict[str, int]:
-        """The recent releases of ``key`` that took joined runs: release token -> when (server ms)."""
-        raw = self.ctx.client.hget(self.ctx.layout.key(SETTLED, key), TAKEN)
-        return {} if raw is None else {str(token): int(at) for token, at in json.loads(raw).items()}
+    def taken_joined(self, key: str) -> tuple[dict[str, int], int]:
+        """The recent releases of ``key`` that took joined runs (release token -> when, server ms),
+        and the server's clock now (ms): one round trip."""
+        name = self.ctx.layout.key(SETTLED, key)
+        if self.ctx.cluster:  # the clock of the key's node, which stamped them
+            raw, now = self.ctx.client.hget(name, TAKEN), clocks_ms(self.ctx.client, [name])[0]
+        else:
+            pipe = self.ctx.client.pipeline(transaction=False)
+            pipe.hget(name, TAKEN)
+            pipe.time()
+            raw, (seconds, micros) = pipe.execute()
+            now = int(seconds) * 1000 + int(micros) // 1000
+        taken = {} if raw is None else {str(token): int(at) for token, at in json.loads(raw).items()}
+        return taken, now
 
     def look_again(self, key: str, seconds: float) -> None:
         """Have the sweeper look at ``key`` again in ``seconds`` (or sooner)."""
         self._waiting_due(key, seconds)
+
+    def first_task(self, key: str) -> str | None:
+        """The task name of the run that waits first in ``key``'s queue (None: none waits, or its
+        message is unreadable)."""
+        layout = self.ctx.layout
+        first = self.ctx.client.lrange(layout.key(QUEUE, key), 0, 0)
+        if not first:
+            return None
+        raw = self.ctx.client.hget(layout.key(PARKED, key), text(first[0]).split("|", 1)[0])
+        try:
+            name = json.loads(raw).get("task") if raw is not None else None
+        except (ValueError, AttributeError):
+            return None
+        return str(name) if name else None
 
     def due_waiting(self, limit: int = 100) -> list[str]:
         """Keys of this namespace whose look is due."""

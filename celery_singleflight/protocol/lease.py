@@ -89,6 +89,8 @@ class AcquireReply(Replies):
     ADOPTED = 3, "{ADOPTED}: this parked run took its slot before: this message is another copy of it"
     PAUSED = 4, "{PAUSED, ms left or -1 (until resumed)}: the key is paused: the run parks"
     MORE_SLOTS = 5, "{MORE_SLOTS, slots}: the key's limits allow more slots than were named: call again so"
+    TOOK = 6, ("{TOOK, 'fence:since ms:slot', dead task id, its worker, its task name}: the key is this"
+               " run's, in place of a run whose lease ran out unreleased (the caller ends that run)")
 
 
 class ReleaseReply(Replies):
@@ -116,6 +118,7 @@ class ReviseReply(Replies):
 
 
 _COMMON = "shared/common.lua"
+_DEAD = "shared/dead.lua"
 _HANDOFF = "handoff/handoff.lua"
 _NEWEST = "newest/newest.lua"
 _LEASE = "lease/lease.lua"
@@ -124,7 +127,7 @@ _CONTROLS = "controls/controls.lua"
 #: the record's text, as the lease scripts write it (the core's and newest-wins' fields)
 _TEMPLATES = {**TEMPLATES, **NEWEST_TEMPLATES}
 
-ACQUIRE = Script("ACQUIRE", "lease/acquire.lua", (_COMMON, _HANDOFF, _NEWEST, _LEASE, _CONTROLS),
+ACQUIRE = Script("ACQUIRE", "lease/acquire.lua", (_COMMON, _DEAD, _HANDOFF, _NEWEST, _LEASE, _CONTROLS),
                  plain="lease/acquire_plain.lua", replies=(AcquireReply, VersionReply), constants=LUA,
                  templates=_TEMPLATES)
 RELEASE = Script("RELEASE", "lease/release.lua", (_COMMON, _HANDOFF, _NEWEST, _LEASE, _CONTROLS),
@@ -246,6 +249,10 @@ class LeaseCalls(Feature):
                 fence, since, slot = text(reply).split(":", 2)
                 return Acquired(fence=int(fence), since=int(since) / 1000.0, slot=int(slot))
             code = int(reply[0])
+            if code == AcquireReply.TOOK:  # acquired in place of a dead holder
+                fence, since, slot = text(reply[1]).split(":", 2)
+                return Acquired(fence=int(fence), since=int(since) / 1000.0, slot=int(slot),
+                                dead=DeadHolder(*texts(reply[2:5])))
             if code != AcquireReply.MORE_SLOTS:
                 break
             slots = remember_slots(namespace, key, int(reply[1]))

@@ -23,6 +23,7 @@ from .context import Feature, due_ms, ms, text
 from .fields import MS, TEXT, Field, RecordBase, json_member, member
 from .handoff import ADOPTED, OWN_COPY, PARKED, QUEUE, WAITING
 from .inbox import INBOX_CONSTANTS
+from .journaled import JOURNALED
 from .layout import Part, duration
 from .lua import Replies, Script, Template
 
@@ -102,7 +103,8 @@ class StartReply(Replies):
 
 
 COALESCE = Script("COALESCE", "newest/coalesce.lua",
-                  ("shared/common.lua", "handoff/handoff.lua", "newest/newest.lua", "inbox/inbox.lua"),
+                  ("shared/common.lua", "shared/journal.lua", "handoff/handoff.lua", "newest/newest.lua",
+                   "inbox/inbox.lua"),
                   replies=(CoalesceReply,),
                   constants={**constants.LUA_CONSTANTS, **INBOX_CONSTANTS, "OWN_COPY": OWN_COPY,
                              "TOLD_SUPERSEDED": TOLD_SUPERSEDED},
@@ -138,18 +140,19 @@ class NewestCalls(Feature):
 
     def coalesce(self, key: str, task_id: str, handoff: str, message: str, keep: str, stamp: str,
                  slots: int = 1, *, supersede_grace: float = 0.0,
-                 supersede_signal: str = "SIGTERM") -> tuple[str, ...] | str | None:
+                 supersede_signal: str = "SIGTERM", mark: str = "") -> tuple[str, ...] | str | None:
         """Make this run the key's one pending run (``keep`` "last" or "first"; "supersede"
         also marks the holders superseded): the messages of the runs it replaced (to be ended,
         then :meth:`answered`); or the task id of the pending run this one gives way to (it does
         not run); or None if a slot is free now (acquire again). The key is entered in the
         waiting index for the sweeper, and a superseded key in the superseding index, due when
-        its holder is to be revoked."""
+        its holder is to be revoked. ``mark``: its journal line's (:mod:`.journaled`)."""
         layout = self.ctx.layout
         reply = self.ctx.script(COALESCE)(
             keys=[*layout.runs(key, slots), layout.key(QUEUE, key), layout.key(PARKED, key),
-                  layout.key(BOOK, key), layout.key(ADOPTED, key)],
-            args=[f"{task_id}|{handoff}", message, keep, slots, stamp, ms(supersede_grace), supersede_signal],
+                  layout.key(BOOK, key), layout.key(ADOPTED, key), layout.key(JOURNALED, key)],
+            args=[f"{task_id}|{handoff}", message, keep, slots, stamp, ms(supersede_grace), supersede_signal,
+                  mark],
         )
         code = int(reply[0])
         if code == CoalesceReply.FREE:

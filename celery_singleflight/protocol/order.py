@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import constants
 from .context import Feature, due_ms, ms, text
+from .journaled import JOURNALED
 from .layout import Part, duration
 from .lua import Replies, Script
 
@@ -47,7 +48,7 @@ class SweepReply(Replies):
     SEND = 2, "{SEND, message to send, first skipped number or '', last skipped number or ''}"
 
 
-_LIBS = ("shared/common.lua", "order/order.lua")
+_LIBS = ("shared/common.lua", "shared/journal.lua", "order/order.lua")
 _LUA = dict(constants.LUA_CONSTANTS)
 
 TAKE = Script("ORDER_TAKE", "order/take.lua", constants=_LUA)
@@ -70,11 +71,14 @@ class OrderCalls(Feature):
         """At send: the next sequence number of ``key`` for ``task_id``."""
         return int(self.ctx.script(TAKE)(keys=[self.ctx.layout.key(BOOK, key)], args=[task_id]))
 
-    def gate(self, key: str, seq: int, delivery: str, message: str, timeout: float) -> GateReply:
+    def gate(self, key: str, seq: int, delivery: str, message: str, timeout: float, *,
+             mark: str = "") -> GateReply:
         """May run ``seq`` (``delivery``: "task id|delivery tag") go on? After GO, :meth:`advance`
         once it holds the lease or waits in the queue; WAIT enters the key in the ordering index,
-        due when its predecessor counts as missing."""
-        reply = self.ctx.script(GATE)(keys=self._keys(key), args=[seq, delivery, message, ms(timeout)])
+        due when its predecessor counts as missing. ``mark``: the journal line's of the run if it
+        waits (:mod:`.journaled`)."""
+        reply = self.ctx.script(GATE)(keys=[*self._keys(key), self.ctx.layout.key(JOURNALED, key)],
+                                      args=[seq, delivery, message, ms(timeout), mark])
         code = GateReply(int(reply[0]))
         if code == GateReply.WAIT:
             due = due_ms(int(reply[1]) / 1000.0)

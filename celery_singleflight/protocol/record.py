@@ -29,7 +29,7 @@ __all__ = ["LeaseFields", "RunRecord", "fields_table"]
 #: hand-off helper that RELEASE, RESUME and FORCE_RELEASE share, and ACQUIRE when it hands on)
 _RECORD_WRITERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER")
 #: the scripts that read the holder's fields (to pass them on, or to end a dead holder's run)
-_HOLDER_READERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE")
+_HOLDER_READERS = ("ACQUIRE", "RELEASE", "RESUME", "FORCE_RELEASE", "FAIR_ENTER")
 #: the scripts that only check a slot is held (its lease has time left)
 _HELD_READERS = ("PARK", "JOIN", "ENQUEUE_MARK", "NOTE_DUPLICATE", "COALESCE")
 
@@ -45,7 +45,7 @@ class LeaseFields(RecordBase):
     token = Field(TEXT, "the lease's owner token (or the parked run's the slot is reserved for); absent"
                   " once released", writers=_RECORD_WRITERS,
                   readers=("RENEW", "PROGRESS", "REVISE_OUTCOME", *_HELD_READERS, "ops.keystatus",
-                           "run.lost", "protocol.reads", "protocol.started", "FAIR_TIMEOUT", "protocol.fair",
+                           "protocol.reads", "protocol.started", "FAIR_TIMEOUT", "protocol.fair",
                            "worker.bootstep"))
     fence = Field(NUMBER, "the run's fencing token, larger than every earlier one of the key",
                   writers=_RECORD_WRITERS,
@@ -55,7 +55,7 @@ class LeaseFields(RecordBase):
                   readers=("ops.keystatus", "protocol.fair"))
     deadline = Field(MS, "when the lease runs out unless renewed; absent once released",
                      writers=("ACQUIRE", "RELEASE", "RENEW", "RESUME", "FORCE_RELEASE", "FAIR_ENTER"),
-                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus", "run.lost",
+                     readers=("PROGRESS", *_HELD_READERS, "ops.keystatus",
                               "protocol.reads", "protocol.started", "protocol.fair", "FAIR_TIMEOUT"))
     state = Field(TEXT, "running, the last progress state, handing-off, or the outcome",
                   writers=("ACQUIRE", "RELEASE", "PROGRESS", "REVISE_OUTCOME", "RESUME", "FORCE_RELEASE",
@@ -71,13 +71,13 @@ class LeaseFields(RecordBase):
                     writers=("RELEASE", "PROGRESS", "FORCE_RELEASE"), readers=("ops.keystatus",))
     task_id = Field(TEXT, "the holder's task id (a hold's holder id)", writers=_RECORD_WRITERS,
                     readers=("REVISE_OUTCOME", "PARK", "JOIN", "ENQUEUE_MARK", "COALESCE", "ops.keystatus",
-                             "run.lost", "policies.newest", "protocol.started", "worker.bootstep",
+                             "policies.newest", "protocol.started", "worker.bootstep",
                              "worker.sweeper"))
     task_name = Field(TEXT, "the holder's task name (``hold`` for a hold); the holder fields come from"
                       " ``Holder.fields``", writers=("ACQUIRE",),
-                      readers=(*_HOLDER_READERS, "ops.keystatus", "run.lost", "policies.newest"))
+                      readers=(*_HOLDER_READERS, "ops.keystatus", "policies.newest"))
     worker = Field(TEXT, "the holder's worker (Celery's hostname)", writers=("ACQUIRE",),
-                   readers=(*_HOLDER_READERS, "ops.keystatus", "run.lost"))
+                   readers=(*_HOLDER_READERS, "ops.keystatus"))
     host = Field(TEXT, "the holder's host (and its process's inbox)", writers=("ACQUIRE",),
                  readers=("COALESCE", "FORCE_RELEASE", "ops.keystatus", "worker.bootstep"))
     pid = Field(NUMBER, "the holder's process id (and its process's inbox)", writers=("ACQUIRE",),

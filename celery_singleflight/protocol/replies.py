@@ -65,6 +65,8 @@ class Acquired:
     fence: int
     since: float
     slot: int = 0
+    #: the run whose lease ran out unreleased on this slot, replaced by this one (it is ended)
+    dead: DeadHolder | None = None
     acquired = True
 
 
@@ -111,17 +113,19 @@ class Settlement:
     ``ours``: the lease was this run's (False: it had run out and another run took the key).
     ``handoff``: the message of the parked run now handed the key, to send to the broker.
     ``joined``: the messages of runs that joined this one, to answer with its result (or error).
-    Truthy when ``ours``.
+    ``dead``: the runs whose leases ran out unreleased on the slots the script replaced (their
+    workers died), to end as lost. Truthy when ``ours``.
     """
 
     ours: bool
     handoff: str | None = None
     joined: tuple[str, ...] = ()
+    dead: tuple[DeadHolder, ...] = ()
 
     def __bool__(self) -> bool:
         return self.ours
 
     @property
     def duties(self) -> bool:
-        """True when something is left to do (a message to send, runs to answer)."""
-        return self.handoff is not None or bool(self.joined)
+        """True when something is left to do (a message to send, runs to answer or end)."""
+        return self.handoff is not None or bool(self.joined) or bool(self.dead)

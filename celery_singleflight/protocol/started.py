@@ -2,10 +2,13 @@
 whole worker does not keep the state it waited in.
 
 A run the library parked, delayed or re-sent before it started has an intermediate state in the
-result backend (``QUEUED``, ``DEBOUNCED``, ``RETRY``) that only its own end replaces. When such
-a run starts, it is entered here (:meth:`StartedCalls.enter`, one ``ZADD``): a member naming the
-key, the slot, the task id, the fence and the worker, scored by when its lease runs out plus
-:data:`~..constants.LOST_RUN_GRACE`. A sweeper takes the due members, reads each slot's run
+result backend (``QUEUED``, ``DEBOUNCED``, ``RETRY``) that only its own end replaces. Such a run
+is entered here in the round trip of its take, before it may hold the key (a *provisional*
+member: the key, its slots, the task id, the worker; slot ``-n``, fence 0), and once it starts
+(:meth:`StartedCalls.enter`, one ``ZADD``) by a member naming the key, the slot, the task id, the
+fence and the worker, scored by when its lease runs out plus :data:`~..constants.LOST_RUN_GRACE`;
+the provisional one then goes. So a run whose worker dies between its take and its start is
+watched too. A sweeper takes the due members, reads each slot's run
 record and asks :func:`verdict` what became of the run: it still holds its lease (look again
 when it would run out), it ended by a release (forget it), or it was lost (its lease ran out
 unreleased). Every call is safe to run twice, and by several sweepers at once: the member is the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +27,7 @@ from .context import Feature, due_ms, text
 from .layout import Part
 from .record import RunRecord
 
-__all__ = ["STARTED", "StartedCalls", "StartedRun", "Verdict", "verdict"]
+__all__ = ["STARTED", "StartedCalls", "StartedRun", "Verdict", "verdict", "verdict_of"]
 
 STARTED = Part("started", "sorted set: JSON `[key, slot, task id, fence, worker]` → when to look (ms)",
                "none", "runs that waited (parked, delayed, re-sent) and started, for the sweeper's lost-run"
@@ -46,6 +50,17 @@ class StartedRun:
                           separators=(",", ":"))
 
     @classmethod
+    def provisional(cls, key: str, slots: int, task_id: str, worker: str) -> StartedRun:
+        """The member of a run about to take ``key`` (of ``slots`` slots): which slot and fence it
+        gets is not known yet (slot ``-slots``)."""
+        return cls(key, -max(1, slots), task_id, 0, worker)
+
+    @property
+    def slots(self) -> list[int]:
+        """The slots whose records tell what became of the run."""
+        return list(range(-self.slot)) if self.slot < 0 else [self.slot]
+
+    @classmethod
     def parse(cls, member: str) -> StartedRun | None:
         """The run a member names, or None for a member that is not one."""
         try:
@@ -63,6 +78,27 @@ class Verdict(enum.Enum):
     LOST = "its lease ran out unreleased"
 
 
+def verdict_of(records: list[RunRecord], now_ms: int, run: StartedRun) -> tuple[Verdict, float]:
+    """What became of ``run`` by the records of its slots (:attr:`StartedRun.slots`), read at
+    ``now_ms``. A provisional member's run is found by its task id on any slot: holding it (or a
+    reservation for it), ended, or run out; a run that took no slot ended before it held the key
+    (it waits again, or was turned away: its wait has its own owner)."""
+    if run.slot >= 0:
+        return verdict(records[0], now_ms, run)
+    for record in records:
+        if record.task_id == run.task_id and record.token:
+            left = (record.deadline or 0) - now_ms
+            if left > 0:
+                return Verdict.LIVE, left / 1000.0
+            return (Verdict.ENDED, 0.0) if record.reserved else (Verdict.LOST, 0.0)
+    for record in records:
+        if record.task_id == run.task_id:
+            return Verdict.ENDED, 0.0
+        if record.prev_task_id == run.task_id and record.prev_outcome:
+            return (Verdict.LOST if record.prev_outcome == "expired" else Verdict.ENDED), 0.0
+    return Verdict.ENDED, 0.0
+
+
 def verdict(record: RunRecord, now_ms: int, run: StartedRun) -> tuple[Verdict, float]:
     """What became of ``run`` by the record of its slot, read at ``now_ms`` (the server's clock);
     and, while it is live, the seconds its lease has left.
@@ -77,6 +113,11 @@ def verdict(record: RunRecord, now_ms: int, run: StartedRun) -> tuple[Verdict, f
     fence = record.fence
     if fence is None or fence < run.fence:
         return Verdict.LOST, 0.0
+    if fence > run.fence and record.task_id == run.task_id and record.token and not record.reserved:
+        # a later attempt of the same run holds the slot (a copy that took its lease over)
+        left = (record.deadline or 0) - now_ms
+        if left > 0:
+            return Verdict.LIVE, left / 1000.0
     if fence == run.fence and not record.reserved and record.task_id == run.task_id:
         if not record.token:
             return Verdict.ENDED, 0.0
@@ -92,9 +133,14 @@ class StartedCalls(Feature):
 
     __slots__ = ()
 
-    def enter(self, run: StartedRun, seconds: float) -> None:
-        """Enter ``run``, due in ``seconds``."""
-        self.ctx.client.zadd(self.ctx.layout.index(STARTED), {run.member(): due_ms(seconds)})
+    def enter(self, run: StartedRun, seconds: float, pipe: Any = None, *,
+              instead_of: Sequence[StartedRun] = ()) -> None:
+        """Enter ``run``, due in ``seconds``, and drop the members ``instead_of`` (its provisional
+        ones), through ``pipe`` (a pipeline), if given."""
+        index, target = self.ctx.layout.index(STARTED), pipe or self.ctx.client
+        target.zadd(index, {run.member(): due_ms(seconds)})
+        if instead_of:
+            target.zrem(index, *(gone.member() for gone in instead_of))
 
     def due(self, limit: int = 100) -> list[str]:
         """The members whose look is due, oldest first."""

@@ -24,6 +24,7 @@ from . import (
     fences,
     handoff,
     inbox,
+    journaled,
     lease,
     marks,
     newest,
@@ -55,7 +56,7 @@ __all__ = ["CHANNELS", "INDEXES", "PARTS", "SCRIPTS", "USER_SCRIPTS", "KeyLayout
 #: every Redis key of one lock (``<ns>:{<key>}:<name>``), in the order of the docs' table
 PARTS: tuple[Part, ...] = (RUN, HISTORY, *handoff.PARTS, marks.ENQUEUED, *newest.PARTS, *order.PARTS,
                            marks.DONE, *timing.PARTS, delayed.DELAYED, delayed.DELAYED_ENDS, *fair.PARTS,
-                           *controls.PARTS)
+                           *controls.PARTS, journaled.JOURNALED)
 #: the keys of a whole namespace (``<ns>:<name>``), outside any lock's hash slot
 INDEXES: tuple[Part, ...] = (handoff.WAITING, newest.SUPERSEDING, order.ORDERING, delayed.DELAYED_DUE,
                              delayed.WORKERS, started.STARTED, epoch.EPOCH_KEY, MARK)

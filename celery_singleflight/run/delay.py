@@ -17,16 +17,26 @@ import uuid
 from typing import Any, NoReturn
 
 import redis
+from celery import states as celery_states
 from celery.canvas import Signature
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from kombu.utils.json import dumps, loads
 
-from ..protocol.delayed import ClaimReply
+from ..protocol.delayed import Claim, ClaimDoneReply, ClaimReply
 from ..protocol.store import LeaseStore
-from .journal import journal_waiting
-from .messages import HEADER_ATTEMPT, HEADER_DELAYED, HEADER_FIRST_SEEN, header, message_of, send_again
+from .journal import journal_waiting, new_mark
+from .messages import (
+    HEADER_ATTEMPT,
+    HEADER_DELAYED,
+    HEADER_EARLIER,
+    HEADER_FIRST_SEEN,
+    header,
+    message_of,
+    send_again,
+)
+from .owner import worker_instance
 
-__all__ = ["claim", "copy_message", "delay_again", "delayed_header", "delayed_token",
+__all__ = ["STALE", "claim", "claim_done", "copy_message", "delay_again", "delayed_header", "delayed_token",
            "resend_delayed", "send_copy"]
 
 #: ``apply_async`` options that are not part of a message (objects of the sending process)
@@ -52,18 +62,29 @@ def delayed_token(request: Any) -> tuple[str, str] | None:
 def delay_again(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown: float, key: str,
                 **headers: Any) -> Any:
     """Send the current run again after ``countdown`` seconds (as :func:`.messages.send_again`),
-    keeping a copy in Redis under ``key`` first. Returns the signature sent."""
+    keeping a copy in Redis under ``key`` first. Returns the signature sent.
+
+    A run that is itself a delayed copy of ``key`` is delayed again only while its claim stands:
+    if a sweeper took it back (its worker seemed gone), another copy runs the run, and this one
+    raises ``Ignore`` instead of making a second."""
     token = uuid.uuid4().hex
     request = task.request
     store: LeaseStore = task.store
     message = message_of(task, args, kwargs, **headers)
+    mark, own = new_mark(), delayed_token(request)
+    claimed = own[0] if own is not None and own[1] == key else ""
     try:
-        due = store.delayed.delay(key, str(request.id or ""), token, message, countdown)
+        due = store.delayed.delay(key, str(request.id or ""), token, message, countdown, mark=mark,
+                                  claimed=claimed)
     except redis.RedisError as exc:
         log.warning("%s[%s] key=%r: no copy of the delayed run is kept in Redis (%s); its countdown"
                     " message goes alone", task.name, request.id, key, exc)
     else:
-        journal_waiting(task, key, message, "delay", due, token=token)
+        if due is None:
+            log.warning("%s[%s] key=%r: another copy of it runs or ran (its claim was taken back); it is not"
+                        " delayed again", task.name, request.id, key)
+            raise Ignore()
+        journal_waiting(task, key, message, "delay", due, token=token, mark=mark)
     headers[HEADER_DELAYED] = delayed_header(token, key)
     return send_again(task, args, kwargs, countdown, **headers)
 
@@ -89,30 +110,67 @@ def resend_delayed(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], del
     raise Retry(exc=error, when=delay, sig=sig)
 
 
-def claim(store: LeaseStore, request: Any) -> bool:
-    """A run starts: False if it is a stale copy of a delayed run (another copy runs or ran).
-    Redis errors propagate (the task's ``on_redis_error`` applies)."""
+#: what :func:`claim` answers for a stale copy of a delayed run (another copy runs or ran)
+STALE = "stale"
+
+
+def claim(store: LeaseStore, request: Any, lease_token: str) -> Claim | str | None:
+    """A run starts: the :class:`Claim` of its delayed run's copy, :data:`STALE` if it is a stale
+    copy (another copy runs or ran: drop it), or None if the library did not delay it. The claim
+    names this worker and ``lease_token``, the token the run's lease will have. Redis errors
+    propagate (the task's ``on_redis_error`` applies)."""
     found = delayed_token(request)
     if found is None:
-        return True
+        return None
     token, key = found
-    return store.delayed.claim(key, str(request.id or ""), token) != ClaimReply.STALE
+    task_id = str(request.id or "")
+    got = store.delayed.claim(key, task_id, token, worker_instance(request.hostname), lease_token)
+    return STALE if got == ClaimReply.STALE else Claim(key, task_id, token)
+
+
+def claim_done(store: LeaseStore, claim: Claim, before: Any = None) -> bool:
+    """The run of ``claim`` started or ended; False if a sweeper took the claim back (its copy
+    was sent again: the run must not start). ``before(pipe)``: commands of the same round trip."""
+    return store.delayed.done(claim, before) == ClaimDoneReply.DONE
 
 
 def send_copy(app: Any, store: LeaseStore, key: str, task_id: str, alive: list[str]) -> bool:
     """A sweeper's look at one delayed run due a grace ago: if its message has not started and no
-    worker in ``alive`` holds a copy, send its copy under a new token. True if it was sent."""
+    worker in ``alive`` holds a copy (or a claim of it), send its copy under a new token; unless
+    the run has ended meanwhile (its pool process was killed after its claim): then the copy is
+    dropped. True if it was sent."""
     token = uuid.uuid4().hex
     found = store.delayed.resend(key, task_id, token, alive)
     if found is None:
         return False
-    message, headers = found
-    sig = Signature.from_dict(loads(message), app=app)  # type: ignore[no-untyped-call]
+    sig = Signature.from_dict(loads(found.message), app=app)  # type: ignore[no-untyped-call]
+    if _ended(app, sig, task_id):
+        log.info("key=%r: delayed run %s ended before its copy was sent again; the copy is dropped", key,
+                 task_id)
+        store.delayed.done(Claim(key, task_id, token))
+        return False
     options = sig.options
-    options["headers"] = {**(options.get("headers") or {}), **headers,
-                          HEADER_DELAYED: delayed_header(token, key)}
-    log.warning("key=%r: delayed run %s had not started after its due time and the worker holding its"
-                " message is gone; sending its copy", key, task_id)
+    headers = {**(options.get("headers") or {}), **found.headers, HEADER_DELAYED: delayed_header(token, key)}
+    if found.took:  # a claimant's lease, if it took one, is this copy's to take over
+        headers[HEADER_EARLIER] = found.took
+    options["headers"] = headers
+    if found.took:
+        log.warning("key=%r: delayed run %s was claimed by a worker that is gone (or did not start it in"
+                    " time); sending its copy again", key, task_id)
+    else:
+        log.warning("key=%r: delayed run %s had not started after its due time and no worker that holds"
+                    " its message is alive; sending its copy", key, task_id)
     sig.apply_async()
     store.delayed.sent(key, task_id)
     return True
+
+
+def _ended(app: Any, sig: Signature, task_id: str) -> bool:
+    """Whether the run's result is ready (it ended); False when its task keeps no result."""
+    task = app.tasks.get(sig.task)
+    if task is None or task.ignore_result or sig.options.get("ignore_result"):
+        return False
+    try:
+        return str(task.AsyncResult(task_id).state) in celery_states.READY_STATES
+    except Exception:  # noqa: BLE001 - any backend's error (none configured): the copy goes
+        return False

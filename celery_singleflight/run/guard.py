@@ -36,7 +36,6 @@ from ..protocol.replies import Acquired, Held, Holder, Settlement
 from ..protocol.store import LeaseStore, store_for
 from .heartbeat import Heartbeat, heartbeat_for
 from .lease import Lease
-from .lost import end_dead_holder
 from .messages import HEADER_HANDOFF, message_of
 from .progress import ProgressReporter, ProgressUpdate
 from .settle import NO_RESULT, Ending, settle
@@ -77,13 +76,14 @@ class Guard:
     ``sender``: the name on signals and logs (the task name, or ``hold``). ``clear_marker``: the
     run's task dedups at enqueue, so its release clears the enqueue marker of its task id.
     ``computes_result=False`` (a hold): runs that joined it are sent to run themselves at its end.
-    ``request``: the run's task request (for the metrics: whether the run waited).
+    ``request``: the run's task request (for the metrics: whether the run waited). ``token``:
+    the lease's token, if the run drew it before (a delayed run's claim names it).
     """
 
     def __init__(
         self, app: Any, key: str, options: CoreOptions, holder: Holder, *, sender: str,
         clear_marker: bool = False, on_progress: ProgressHook | None = None, store: LeaseStore | None = None,
-        computes_result: bool = True, request: Any = None,
+        computes_result: bool = True, request: Any = None, token: str | None = None,
     ) -> None:
         self.app = app
         self.key = key
@@ -95,7 +95,7 @@ class Guard:
         self.computes_result = computes_result
         self.request = request  # the task's request (None for a hold): its headers say if it waited
         self.store = store or options_store(options)
-        self.token = os.urandom(16).hex()  # unique to this execution
+        self.token = token or os.urandom(16).hex()  # unique to this execution
         self.lease: Lease | None = None
         self._beat: Heartbeat | None = None  # the renewer the lease was added to (begin)
         self._asked = 0.0  # when the last acquire was sent: the lease counts from then, not from the reply
@@ -116,15 +116,16 @@ class Guard:
             self._asked = last_attempt_sent(asked)
             if span is not None:
                 span.took(got)
+            dead = (got.dead,) if got.dead is not None else ()  # a holder died on the slot replaced
             if isinstance(got, Held) and got.handoff is not None:
                 # the next take is a call of its own: with this token, ACQUIRE would read it as this
                 # one sent again and answer the same hand-on (the message sent twice, a free slot unseen)
                 self.token = os.urandom(16).hex()
-                settle(self.app, Settlement(True, got.handoff),
+                settle(self.app, Settlement(True, got.handoff, dead=dead),
                        Ending(self.key, self.sender, self.holder.task_id, "handed-on", signal=False))
-                if got.dead is not None:  # the slot's holder died with runs parked behind it
-                    dead = got.dead
-                    end_dead_holder(self.app, self.key, dead.task_id, dead.worker, dead.task_name)
+            elif dead:
+                settle(self.app, Settlement(True, dead=dead),
+                       Ending(self.key, self.sender, self.holder.task_id, "took-over", signal=False))
         return got
 
     def begin(self, got: Acquired, *, announce: bool = True) -> Lease:

@@ -8,6 +8,10 @@ its kind, namespace, key, task id and name, its re-sendable message and when. Th
 process (:mod:`..worker.recovery`) drops the lines of runs that no longer wait, and sends the
 others again when Redis lost its data.
 
+Each line carries a *mark* that the script which made the run wait also left beside it in Redis
+(:mod:`..protocol.journaled`): a line whose run no longer waits and whose mark is gone was lost
+with Redis's data, whatever the namespace's epoch says.
+
 The file is ``<singleflight_journal_dir>/<worker node name>.jsonl``. Appends from the pool
 processes and the main process's rewrite take ``flock`` on a lock file beside it; a rewrite
 replaces the file whole, so a crash in the middle leaves the old one. An append after a torn
@@ -25,13 +29,15 @@ import logging
 import os
 import re
 import time as mod_time
+import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .messages import HEADER_SEQ, header
 
-__all__ = ["HEADER_RECOVERED", "HEADER_RECOVERED_HANDOFF", "KINDS", "Entry", "Journal", "journal_waiting"]
+__all__ = ["HEADER_RECOVERED", "HEADER_RECOVERED_HANDOFF", "KINDS", "Entry", "Journal", "journal_waiting",
+           "new_mark"]
 
 log = logging.getLogger("celery_singleflight.queue")
 
@@ -48,7 +54,8 @@ KINDS = ("park", "join", "pending", "order", "delay")
 class Entry:
     """One journaled run (``line``: its line, by which it is dropped). ``seq``: the sequence
     number a run waiting for its turn has; ``due``, ``token``: when a delayed run is due (epoch
-    seconds) and the token its countdown message carries."""
+    seconds) and the token its countdown message carries. ``mark``: the mark its parking left in
+    Redis ('' for a line written without one)."""
 
     line: str
     kind: str
@@ -61,6 +68,7 @@ class Entry:
     seq: int = 0
     due: float | None = None
     token: str = ""
+    mark: str = ""
 
     @classmethod
     def parse(cls, line: str) -> Entry | None:
@@ -70,7 +78,7 @@ class Entry:
             return cls(line, str(data["kind"]), str(data["namespace"]), str(data["key"]),
                        str(data["task_id"]), str(data["task"]), str(data["message"]), float(data["at"]),
                        int(data.get("seq") or 0), None if data.get("due") is None else float(data["due"]),
-                       str(data.get("token") or ""))
+                       str(data.get("token") or ""), str(data.get("mark") or ""))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -173,16 +181,24 @@ class Journal:
             return []
 
 
+def new_mark() -> str:
+    """A journal line's mark, drawn before its run is parked (the script leaves it in Redis)."""
+    return uuid.uuid4().hex[:16]
+
+
 def journal_waiting(task: Any, key: str, message: str, kind: str, due: float | None = None,
-                    token: str = "") -> None:
-    """Journal the current run of ``task``, which now waits in Redis on ``key`` as ``kind`` (one
-    of :data:`KINDS`) with its re-sendable ``message``. A delayed run: ``message`` as its copy in
-    Redis, ``due`` (epoch seconds) and the ``token`` of its countdown message (its copy is kept
-    again under it after a loss, so that message still claims it). Called right after the run
-    was parked; never raises (a journal that cannot be written is logged: that run is not
-    recovered)."""
+                    token: str = "", *, mark: str = "", task_id: str | None = None, node: str | None = None
+                    ) -> None:
+    """Journal a run of ``task`` (the current one, or ``task_id`` of worker ``node``: the
+    worker's main process parks runs it does not run), which now waits in Redis on ``key`` as
+    ``kind`` (one of :data:`KINDS`) with its re-sendable ``message``, parked with ``mark`` (the
+    mark its parking left in Redis). A delayed run: ``message`` as its copy in Redis, ``due``
+    (epoch seconds) and the ``token`` of its countdown message (its copy is kept again under it
+    after a loss, so that message still claims it). Called right after the run was parked;
+    never raises (a journal that cannot be written is logged: that run is not recovered)."""
     request = task.request
-    node, task_id = getattr(request, "hostname", None), request.id
+    node = node if node is not None else getattr(request, "hostname", None)
+    task_id = task_id if task_id is not None else request.id
     if not node or not task_id:
         return  # a direct or eager call never waits
     try:
@@ -195,6 +211,8 @@ def journal_waiting(task: Any, key: str, message: str, kind: str, due: float | N
             record["due"] = due
         if token:
             record["token"] = token
+        if mark:
+            record["mark"] = mark
         Journal(task.options.journal_dir, str(node)).append(record)
     except (OSError, ValueError) as exc:
         log.warning("could not journal %s[%s] waiting on key=%r (it is not sent again if the lease Redis"

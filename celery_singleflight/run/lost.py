@@ -1,10 +1,10 @@
 """Ending a run lost with its worker: its result becomes FAILURE with :class:`~..errors.RunLost`.
 
-Three places find such runs: the sweeper's look at a run that waited before it started
-(:mod:`..policies.lostruns`), the sweeper's hand-on of a key whose holder died with runs parked
-behind it (:mod:`..worker.sweeper`), and a duplicate that finds such a key free and hands it to
-the first parked run (:meth:`.guard.Guard.take`). A run whose worker merely froze past its TTL
-and later finishes overwrites that FAILURE with its own result.
+Two places find such runs: the sweeper's look at a run that waited before it started
+(:mod:`..policies.lostruns`), and every script that takes, hands on or reserves a slot whose
+lease ran out unreleased: it names that holder in its reply (ACQUIRE, RESUME, FAIR_ENTER), and
+:func:`~.settle.settle` ends it, whichever path called the script. A run whose worker merely froze
+past its TTL and later finishes overwrites that FAILURE with its own result.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from celery import states as celery_states
 from celery.backends.base import DisabledBackend
 
 from ..errors import RunLost
-from ..protocol.record import RunRecord
 
-__all__ = ["end_dead_holder", "end_dead_holders", "end_lost_run", "watched"]
+__all__ = ["end_dead_holder", "end_lost_run", "watched"]
 
 log = logging.getLogger("celery_singleflight.release")
 
@@ -50,14 +49,3 @@ def end_dead_holder(app: Any, key: str, task_id: str, worker: str, task_name: st
     task = app.tasks.get(task_name)
     if task is not None and getattr(task, "options", None) is not None and watched(task):
         end_lost_run(app, key, task_id, worker)
-
-
-def end_dead_holders(app: Any, key: str, records: list[RunRecord], now_ms: int) -> None:
-    """The sweeper found ``key`` free with runs waiting: the holders whose lease ran out unreleased
-    (``records``, read just before) died with their worker; end theirs as FAILURE with
-    :class:`RunLost` (not a ``hold()``, nor a task whose message comes again or that keeps no
-    result)."""
-    for record in records:
-        if not record.token or record.reserved or (record.deadline or 0) > now_ms or not record.task_id:
-            continue
-        end_dead_holder(app, key, record.task_id, record.worker or "", record.task_name or "")

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import time as mod_time
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import signals
 from ..errors import ProtocolMismatch, RedisUnavailable
 from ..metrics import record as metrics
 from .messages import HEADER_EARLIER, HEADER_HANDOFF, resend, wait_state
 
-__all__ = ["counters", "redis_unavailable", "refuse_foreign"]
+__all__ = ["counters", "redis_unavailable", "refuse_foreign", "retry_later"]
 
 log_acquire = logging.getLogger("celery_singleflight.acquire")
 
@@ -53,6 +53,15 @@ def redis_unavailable(task: Any, key: str, exc: Exception, args: tuple[Any, ...]
         counters.unguarded_runs += 1
         signals.unguarded_run.send(sender=task.name, key=key, task_id=request.id, error=exc)
         return run(*args, **kwargs)
+    tokens = {HEADER_EARLIER: "", HEADER_HANDOFF: ""} if released else {HEADER_EARLIER: token}
+    retry_later(task, key, exc, args, kwargs, **tokens)
+
+
+def retry_later(task: Any, key: str, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any],
+                **headers: Any) -> NoReturn:
+    """``fail_closed``: re-send the run with ``headers`` after ``redis_retry_delay`` (it ends
+    ``RETRY``), or fail with :class:`RedisUnavailable` once ``redis_max_wait`` has passed."""
+    opts, request = task.options, task.request
     first_seen, attempt = wait_state(request)
     waited = mod_time.time() - first_seen
     error = RedisUnavailable(key, str(exc) or type(exc).__name__, waited)
@@ -63,8 +72,7 @@ def redis_unavailable(task: Any, key: str, exc: Exception, args: tuple[Any, ...]
             "Redis cannot serve key=%r now; %s[%s] will be retried in %.1fs (fail_closed): %s",
             key, task.name, request.id, opts.redis_retry_delay, exc,
         )
-        tokens = {HEADER_EARLIER: "", HEADER_HANDOFF: ""} if released else {HEADER_EARLIER: token}
-        resend(task, args, kwargs, opts.redis_retry_delay, first_seen, attempt + 1, error, **tokens)
+        resend(task, args, kwargs, opts.redis_retry_delay, first_seen, attempt + 1, error, **headers)
     log_acquire.error("Redis could not serve key=%r for %.1fs; %s[%s] fails (redis_max_wait)",
                       key, waited, task.name, request.id)
     raise error

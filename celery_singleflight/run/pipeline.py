@@ -85,10 +85,11 @@ class Pipeline:
     def run(self, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], body: Callable[..., Any]) -> Any:
         """Run ``body`` under the lease of its key, through the stages (see the module docstring)."""
         run = Run(task, args, kwargs, self)
-        ended = self._before_key(run, body)
-        if ended is not None:
-            return ended.result
         try:
+            ended = self._before_key(run, body)
+            if ended is not None:
+                run.outcome = "ended"
+                return ended.result
             return self._under_lease(run, body)
         finally:
             for stage in self.hooks["finish"]:
@@ -99,7 +100,7 @@ class Pipeline:
         task, request, opts = run.task, run.request, run.options
         holder = Holder(run.task_id, request.hostname or "", task.name)
         guard = run.guard = Guard(task.app, run.key, opts, holder, sender=task.name,
-                                  clear_marker=self.clears_marker, request=request)
+                                  clear_marker=self.clears_marker, request=request, token=run.lease_token)
         try:
             ended = self._before_lease(run)
             if ended is not None:

@@ -32,6 +32,7 @@ from ..metrics import hooks as metric_hooks
 from ..metrics import record as metrics
 from ..protocol.replies import Settlement
 from .events import send_task_event
+from .lost import end_dead_holder
 from .messages import HEADER_HANDED, rejoined
 from .ownqueue import own_queue
 
@@ -81,7 +82,10 @@ class Ending:
 
 
 def settle(app: Any, settlement: Settlement, ending: Ending) -> None:
-    """Send the handed-on parked run, answer the joined runs, then log and signal the release."""
+    """Send the handed-on parked run, answer the joined runs, end the dead holders whose slots
+    were replaced, then log and signal the release."""
+    for dead in settlement.dead:
+        end_dead_holder(app, ending.key, dead.task_id, dead.worker, dead.task_name)
     if settlement.handoff is not None:
         send_parked(app, settlement.handoff, ending.key, here=ending.here)
     if settlement.joined and ending.rerun_joined:

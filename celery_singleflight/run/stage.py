@@ -20,12 +20,15 @@ what :meth:`Stage.define` checked when the task was defined.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..config.option import OptionGroup
+from ..protocol.delayed import Claim
 from ..protocol.replies import Acquired, Held
+from ..protocol.started import StartedRun
 from .guard import Guard
 from .lease import Lease
 from .messages import HEADER_HANDOFF, header
@@ -51,7 +54,9 @@ class Run:
 
     __slots__ = (
         "_key",
+        "_lease_token",
         "args",
+        "claim",
         "got",
         "guard",
         "handoff",
@@ -61,6 +66,7 @@ class Run:
         "options",
         "outcome",
         "pipeline",
+        "provisional",
         "request",
         "task",
     )
@@ -80,6 +86,11 @@ class Run:
         #: how the run ended: succeeded, failed, retried, ... (``ended``: before its lease)
         self.outcome = "failed"
         self._key: str | None = None
+        self._lease_token: str | None = None
+        #: the delayed run's copy this run claimed, until it says it started or ended
+        self.claim: Claim | None = None
+        #: the started index's members entered for this run before its takes (until it starts)
+        self.provisional: list[StartedRun] = []
 
     @property
     def key(self) -> str:
@@ -87,6 +98,14 @@ class Run:
         if self._key is None:
             self._key = str(self.task.render_key(*self.args, **self.kwargs))
         return self._key
+
+    @property
+    def lease_token(self) -> str:
+        """The token this run's lease will have (unique to this execution), drawn when first
+        asked for: a delayed run's claim names it before the lease is taken."""
+        if self._lease_token is None:
+            self._lease_token = os.urandom(16).hex()
+        return self._lease_token
 
     @property
     def task_id(self) -> str:

@@ -14,25 +14,22 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
 from typing import Any
 
 import redis
 
 from .. import constants
+from ..protocol.delayed import Claim
 from ..protocol.store import LeaseStore
 from ..run.delay import delayed_token, send_copy
 from ..run.guard import options_store
+from ..run.owner import worker_instance
 from ..run.stage import Sweep
 from .registry import guarded_tasks, is_guarded
 
-__all__ = ["INSTANCE", "SendCopies", "copy_sweeps", "forget_revoked", "instance_name", "note_received"]
+__all__ = ["SendCopies", "copy_sweeps", "forget_revoked", "note_received"]
 
 log = logging.getLogger("celery_singleflight.queue")
-
-#: this worker process's own id: a worker started again under the same name (a supervisor's
-#: restart) is another worker, so the messages its earlier life held count as gone
-INSTANCE = uuid.uuid4().hex[:12]
 
 _received: queue.SimpleQueue[tuple[LeaseStore, str, str, str, str]] = queue.SimpleQueue()
 _noting: list[threading.Thread] = []
@@ -48,7 +45,8 @@ def note_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     if found is None:
         return
     token, key = found
-    _received.put((options_store(task.options), key, str(request.id), token, instance_name(request.hostname)))
+    worker = worker_instance(request.hostname)
+    _received.put((options_store(task.options), key, str(request.id), token, worker))
     if not _noting:
         with _lock:
             if not _noting:
@@ -59,13 +57,14 @@ def note_received(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 def forget_revoked(task: Any, request: Any) -> None:
     """A delayed run's message was revoked or expired (the worker drops it without running any
-    code of the task): claim its copy with that message's token, so that no copy of it runs."""
+    code of the task): claim its copy with that message's token and say it ended, so that no
+    copy of it runs."""
     found = delayed_token(_HeadersOf(request)) if is_guarded(task) else None
     if found is None:
         return
     token, key = found
     try:
-        options_store(task.options).delayed.claim(key, str(request.id), token)
+        options_store(task.options).delayed.done(Claim(key, str(request.id), token))
     except redis.RedisError as exc:
         log.warning("could not drop the copy of revoked %s[%s] on key=%r: %s", task.name, request.id, key,
                     exc)
@@ -114,15 +113,10 @@ class SendCopies(Sweep):
         return sent
 
 
-def instance_name(node: Any) -> str:
-    """How this worker process is known in the live-workers index: its node name and :data:`INSTANCE`."""
-    return f"{node or ''}#{INSTANCE}"
-
-
 def copy_sweeps(app: Any, worker: str) -> list[Sweep]:
     """One :class:`SendCopies` per namespace of the app's guarded tasks (``worker``: the node name)."""
     found: dict[tuple[int, str], LeaseStore] = {}
     for task in guarded_tasks(app):
         store = options_store(task.options)
         found[(id(store.client), task.options.namespace)] = store
-    return [SendCopies(app, store, instance_name(worker)) for store in found.values()]
+    return [SendCopies(app, store, worker_instance(worker)) for store in found.values()]

@@ -53,7 +53,7 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
         parked = False
         if mod_time.monotonic() >= resting_until:
             try:
-                parked = park(task, stage, message)
+                parked = park(task, stage, message, consumer.hostname)
             except Exception as exc:  # noqa: BLE001 - the pool process decides: it parks, or follows on_redis_error
                 log.warning("%s: the worker's main process could not look at the fair gate (its pool"
                             " processes do for %.0fs): %s", task.name, LOOK_AGAIN_AFTER, exc)
@@ -69,8 +69,9 @@ def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[...,
     return fair_handler
 
 
-def park(task: Any, stage: FairShare, message: Any) -> bool:
-    """Enter the run of ``message`` at its gate: True if it was parked (acknowledge it)."""
+def park(task: Any, stage: FairShare, message: Any, node: str) -> bool:
+    """Enter the run of ``message`` at its gate (worker ``node``'s main process): True if it was
+    parked (acknowledge it)."""
     headers = message.headers or {}
     if "id" not in headers or headers.get("eta") or headers.get(HEADER_FAIR_WAITED):
         # protocol 1, or a countdown: the pool process looks when it is due; a run that waited
@@ -87,7 +88,8 @@ def park(task: Any, stage: FairShare, message: Any) -> bool:
         parked_at = repr(mod_time.time())
         return message_of(task, tuple(args), dict(kwargs), request, **{HEADER_FAIR_WAITED: parked_at})
 
-    found = stage.wait(task, task_id, token, stage.fair_key(args, kwargs), keeps_result, body)
+    fair = stage.fair_key(args, kwargs)
+    found = stage.wait(task, task_id, token, fair, keeps_result, body, str(node or ""))
     return isinstance(found, Waiting)
 
 

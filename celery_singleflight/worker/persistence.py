@@ -1,8 +1,9 @@
 """The start check of a lease Redis's persistence, against the tasks that keep waiting runs in it.
 
-Parked runs (``queue``, ``ordered``, ``join``, the pending run of ``coalesce`` and ``supersede``)
-and delayed runs (``debounce``, ``key_rate_limit``, the ``retry`` policy's re-sends) exist only in
-the lease Redis once their broker message was acknowledged: a Redis that restarts without an
+Parked runs (``queue``, ``ordered``, ``join``, the pending run of ``coalesce`` and ``supersede``,
+the runs waiting at a ``fair_concurrency`` gate) and delayed runs (``debounce``,
+``key_rate_limit``, the ``retry`` policy's re-sends) exist only in the lease Redis once their
+broker message was acknowledged: a Redis that restarts without an
 append-only file loses them, and nothing else remembers them. The check reads ``CONFIG GET
 append*`` and ``CONFIG GET save`` and says what a restart would lose; what it does about it is
 ``singleflight_require_persistence`` (``warn``, ``refuse``, ``off``). A Redis that refuses
@@ -51,6 +52,9 @@ def waiting_runs(task: Any) -> list[str]:
     if beat and beat not in ENDS_AT_ONCE and beat != duplicate:
         reasons.append(f"on_beat_duplicate={beat}")
     reasons += [option for option in DELAYING_OPTIONS if getattr(opts, option, None) is not None]
+    fair = getattr(opts, "fair_concurrency", None)
+    if fair is not None:  # its worker's main process parks the runs that wait for a slot, acknowledged
+        reasons.append(f"fair_concurrency={fair}")
     return reasons
 
 

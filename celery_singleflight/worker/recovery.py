@@ -209,17 +209,20 @@ class Recovery(Sweep):
         except redis.RedisError as exc:
             log.debug("namespace %r: the journal is not settled now: %s", namespace, exc)
             return None
-        placed = {entry.task_id for entry, waits_still in zip(entries, waits, strict=True) if waits_still}
+        placed = {entry.task_id for entry, (still, _) in zip(entries, waits, strict=True) if still}
         done: list[str] = []
+        handed: list[tuple[str, str]] = []  # the marks of lines done with (their runs were handed on)
         lost: dict[str, list[Entry]] = {}  # task id -> its lines; in the order of each run's last line
-        for entry, waits_still in zip(entries, waits, strict=True):
+        for entry, (waits_still, marked) in zip(entries, waits, strict=True):
             if waits_still:
                 self.owed.pop(entry.line, None)
-            elif entry.task_id not in placed and (entry.line in self.owed or verdict == _LOST or (
-                    verdict == _FIRST and entry.at < self.born)):
+            elif entry.task_id not in placed and (entry.line in self.owed
+                                                  or self._lost(verdict, entry, marked)):
                 lost[entry.task_id] = [*lost.pop(entry.task_id, []), entry]
             else:  # it no longer waits, or an earlier wait of a run that waits again (its turn came)
                 done.append(entry.line)
+                if marked:
+                    handed.append((entry.key, entry.mark))
         sent = failed = 0
         for lines in lost.values():  # a run journaled twice (its turn came, then it parked) is sent once
             outcome = self.recover(store, lines[-1])
@@ -230,11 +233,29 @@ class Recovery(Sweep):
         if sent or failed:
             log.warning("namespace %r: %d waiting run(s) sent again, %d ended FAILURE (WaitingLost)",
                         namespace, sent, failed)
+        try:
+            store.epoch.unmark(handed)
+        except redis.RedisError as exc:  # they go with their key's TTL
+            log.debug("namespace %r: the marks of settled journal lines stay: %s", namespace, exc)
         return sent, done
 
-    def waiting(self, store: LeaseStore, entries: Sequence[Entry]) -> list[bool]:
-        """Which entries still wait in Redis (one round trip)."""
-        return store.epoch.waiting([(e.kind, e.key, e.task_id, e.message, e.seq) for e in entries])
+    def _lost(self, verdict: str, entry: Entry, marked: bool | None) -> bool:
+        """Whether a journaled run that no longer waits was lost with Redis's data: its mark says
+        so (gone with the data that had it waiting: a snapshot taken after this worker's last
+        look, a Cluster master other than the epoch's), or, for a line without a mark, the epoch
+        (a loss seen; at a first look, a line of an earlier life of this worker node)."""
+        if marked is not None:
+            if not marked:
+                log.warning("%s[%s] on key=%r no longer waits in the lease Redis and its journal mark is"
+                            " gone with it: Redis lost the data it waited in", entry.task, entry.task_id,
+                            entry.key)
+            return not marked
+        return verdict == _LOST or (verdict == _FIRST and entry.at < self.born)
+
+    def waiting(self, store: LeaseStore, entries: Sequence[Entry]) -> list[tuple[bool, bool | None]]:
+        """Whether each entry still waits in Redis, and whether its mark is there (None: a line
+        without one), in one round trip."""
+        return store.epoch.waiting([(e.kind, e.key, e.task_id, e.message, e.seq, e.mark) for e in entries])
 
     def recover(self, store: LeaseStore, entry: Entry) -> str:
         """Send a lost run again if it still waits as journaled: "sent", "skipped" (it started,

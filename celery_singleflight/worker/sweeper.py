@@ -24,12 +24,12 @@ import redis
 from .. import constants
 from ..errors import LeaseLost, ProtocolMismatch
 from ..policies import STAGES
+from ..protocol.fair import gate_key
 from ..protocol.store import LeaseStore
 from ..run.guard import options_store
-from ..run.lost import end_dead_holders
 from ..run.settle import Ending, answer_orphaned_joined, settle
 from ..run.stage import Sweep
-from .registry import guarded_tasks
+from .registry import guarded_tasks, is_guarded
 
 __all__ = ["HandOn", "Sweeper", "hand_on_sweeps", "sweeps_for"]
 
@@ -72,48 +72,79 @@ class Sweeper:
                 log.exception("queue sweep failed")
 
 
+#: how many keys' slot counts a sweeper remembers
+_SLOTS_KEPT = 4096
+
+
 class HandOn(Sweep):
     """Resume the keys of one namespace whose holder ended without handing them on (``ttl``:
-    the reservation made for a parked run; ``slots``: the most slots a key of it has)."""
+    the reservation made for a parked run; ``slots``: the most slots a key of it has; ``gates``:
+    the fair gates of its tasks, with their slots)."""
 
-    def __init__(self, app: Any, store: LeaseStore, ttl: float, slots: int) -> None:
+    def __init__(self, app: Any, store: LeaseStore, ttl: float, slots: int,
+                 gates: dict[str, int] | None = None) -> None:
         self.app, self.store, self.ttl, self.slots = app, store, ttl, slots
+        self.gates = gates or {}
+        #: key -> the slots of the task whose runs wait there (read from its queue once)
+        self.known_slots: dict[str, int] = {}
         #: (key, release token) whose joined runs this sweeper made sure were answered
         self.answered: set[tuple[str, str]] = set()
 
     def sweep_once(self) -> int:
         sent = 0
         for key in self.store.handoff.due_waiting():
-            before = self.store.reads.snapshots([(key, slot) for slot in range(self.slots)])
-            try:
-                found = self.store.handoff.resume(key, self.ttl, self.slots)
-            except ProtocolMismatch as exc:
-                log.error("key=%r is not handed on: %s", key, exc)
-                continue
-            self._unanswered(key, before[0][2])
-            if found is None:
-                continue
-            if found.handoff is not None:
-                log.warning("key=%r was free with runs parked (its holder ended without handing it on);"
-                            " sending the next one", key)
-                sent += 1
-            end_dead_holders(self.app, key, [record for record, _, _ in before], before[0][2])
-            settle(self.app, found, Ending(
-                key, "sweeper", "<gone>", "lost", signal=False,
-                error=LeaseLost(key, "the run it joined ended without a result (its worker was lost)"),
-            ))
-            if found.handoff is not None:
+            slots = self.slots_of(key)
+            self._unanswered(key)
+            for _ in range(slots):  # each look hands on one free slot: as many looks as are free
+                try:
+                    found = self.store.handoff.resume(key, self.ttl, slots)
+                except ProtocolMismatch as exc:
+                    log.error("key=%r is not handed on: %s", key, exc)
+                    break
+                if found is None:
+                    break
+                if found.handoff is not None:
+                    log.warning("key=%r was free with runs parked (its holder ended without handing it on);"
+                                " sending the next one", key)
+                    sent += 1
+                # the dead holders RESUME names are ended by settle(), as on every path
+                settle(self.app, found, Ending(
+                    key, "sweeper", "<gone>", "lost", signal=False,
+                    error=LeaseLost(key, "the run it joined ended without a result (its worker was lost)"),
+                ))
+                if found.handoff is None:
+                    break
                 self._orphans(key)
         return sent
 
-    def _unanswered(self, key: str, now_ms: int) -> None:
+    def slots_of(self, key: str) -> int:
+        """The slots of ``key``: a fair gate's ``fair_concurrency``; else the ``max_concurrency``
+        of the task whose run waits first in the key's queue (read once per key), or the
+        namespace's largest if no run waits there or its task is not known here. A look must
+        never name a slot the key does not have: RESUME would find it free and hand it on, and
+        the run's message would be sent a second time when a real slot frees."""
+        if key in self.gates:
+            return self.gates[key]
+        known = self.known_slots.get(key)
+        if known is not None:
+            return known
+        task = self.app.tasks.get(self.store.handoff.first_task(key) or "")
+        if task is None or not is_guarded(task):
+            return self.slots
+        if len(self.known_slots) >= _SLOTS_KEPT:
+            self.known_slots.clear()
+        slots = self.known_slots[key] = int(task.options.max_concurrency)
+        return slots
+
+    def _unanswered(self, key: str) -> None:
         """A release took the runs joined to its run, then its whole worker was lost before it
         answered them, with nothing parked (no hand-off to reveal it). The key is in the waiting
         index since they joined: at its look, those still waiting
         :data:`~..constants.ANSWER_GRACE` after the release are answered (a live releaser does in
         milliseconds); until then the key is looked at again. Each release is looked at once."""
         later: list[float] = []
-        for token, taken_at in self.store.handoff.taken_joined(key).items():
+        taken, now_ms = self.store.handoff.taken_joined(key)
+        for token, taken_at in taken.items():
             if (key, token) in self.answered:
                 continue
             waited = (now_ms - taken_at) / 1000.0
@@ -144,16 +175,19 @@ class HandOn(Sweep):
 def hand_on_sweeps(app: Any, tasks: list[Any]) -> list[Sweep]:
     """One :class:`HandOn` per namespace of the app's guarded tasks, whatever their policies
     (besides queue and join, a turned-away redelivery waits in the queue of its own run, and a
-    fair task's runs at its gate), with the namespace's largest TTL and slot count (extra slots
-    are free)."""
-    found: dict[tuple[int, str], tuple[LeaseStore, float, int]] = {}
+    fair task's runs at its gate), with the namespace's largest TTL and slot count (for a key
+    whose waiting run's task is not known here) and its fair gates' slots."""
+    found: dict[tuple[int, str], tuple[LeaseStore, float, int, dict[str, int]]] = {}
     for task in tasks:
         opts = task.options
         store = options_store(opts)
         key = (id(store.client), opts.namespace)
-        _, ttl, slots = found.get(key, (store, 0.0, 1))
-        found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, opts.fair_concurrency or 1, slots))
-    return [HandOn(app, store, ttl, slots) for store, ttl, slots in found.values()]
+        _, ttl, slots, gates = found.get(key, (store, 0.0, 1, {}))
+        if opts.fair_concurrency:
+            gates[gate_key(task.name)] = int(opts.fair_concurrency)
+        found[key] = (store, max(opts.ttl, ttl), max(opts.max_concurrency, opts.fair_concurrency or 1, slots),
+                      gates)
+    return [HandOn(app, store, ttl, slots, gates) for store, ttl, slots, gates in found.values()]
 
 
 def sweeps_for(app: Any) -> list[Sweep]:

@@ -22,6 +22,31 @@ local function has_token(e, token)
   end
   return e.t == token
 end
+-- a token of the run's earlier delays, or of a copy found stale or taken back
+local function is_old(e, token)
+  for _, t in ipairs(e.old or {}) do
+    if t == token then
+      return true
+    end
+  end
+  return false
+end
+-- ``token`` is stale from now on: out of this delay's tokens, into the old ones (the last few)
+local function make_stale(e, token)
+  local ts = {}
+  for _, t in ipairs(e.ts or {}) do
+    if t ~= token then
+      table.insert(ts, t)
+    end
+  end
+  e.ts, e.old = ts, e.old or {}
+  if not is_old(e, token) then
+    table.insert(e.old, token)
+  end
+  while #e.old > DELAYED_OLD_KEPT do
+    table.remove(e.old, 1)
+  end
+end
 -- drop a few claimed entries whose time is over
 local function prune(hash, ends, now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', ends, '-inf', now, 'LIMIT', 0, 10)) do

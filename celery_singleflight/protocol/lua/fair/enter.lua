@@ -6,12 +6,15 @@
 -- KEYS[n+1] - the queue; KEYS[n+2] - parked messages; KEYS[n+3] - adopted tokens
 -- KEYS[n+4] - fair tags; KEYS[n+5] - fair state; KEYS[n+6] - weights set at run time
 -- KEYS[n+7] - recent run times; KEYS[n+8] - when each waiting run parked
+-- KEYS[n+9] - the journal marks of runs waiting on the gate (protocol/epoch.py)
 -- ARGV[1] - the entry 'task id|token'; ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - n; ARGV[4] - the lease TTL (ms); ARGV[5] - how long a record is kept (ms)
 -- ARGV[6] - the fair key; ARGV[7] - its weight (the task's); ARGV[8] - '1': only say what would
--- happen (a slot free is still reserved)
+-- happen (a slot free is still reserved); ARGV[9] - the run's journal mark ('' if none)
 -- Safe to run twice: a run whose token holds a slot or is parked answers as before.
--- return {ADMITTED, slot} (slot -1: it took a slot before; ACQUIRE decides about a copy),
+-- return {ADMITTED, slot, and the task id, worker and task name of a run whose lease ran out
+--        unreleased on that slot, or ''} (slot -1: it took a slot before; ACQUIRE decides about
+--        a copy),
 --        {PARKED, position, n, mean run ms, ms until the first lease runs out (-1: none held),
 --        elapsed ms of each holder...} (or WOULD_PARK)
 local n = tonumber(ARGV[3])
@@ -33,8 +36,13 @@ local function waiting(code, position)
   return out
 end
 for i = 1, n do
-  if recs[i] and recs[i].token == token and live(recs[i], now) then
-    return {ADMITTED, i - 1}
+  local r = recs[i]
+  if r and r.token == token and (live(r, now) or r.reserved) then
+    if not live(r, now) then -- its reservation ran out (its message was slow): renewed, never a second
+      r.deadline = num(now + tonumber(ARGV[4]))
+      redis.call('SET', KEYS[i], cjson.encode(r), 'PX', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+    end
+    return admitted(i, r)
   end
 end
 if redis.call('ZSCORE', adopted, token) then
@@ -46,8 +54,7 @@ if redis.call('HGET', parked, id) then
 end
 local length = redis.call('LLEN', queue)
 if free and length == 0 then
-  reserve(free, recs[free], token, id, now, tonumber(ARGV[4]), tonumber(ARGV[5]))
-  return {ADMITTED, free - 1}
+  return admitted(free, reserve(free, recs[free], token, id, now, tonumber(ARGV[4]), tonumber(ARGV[5])))
 end
 local w = tonumber(redis.call('HGET', weights, fair) or ARGV[7])
 if not w or w <= 0 then
@@ -60,6 +67,7 @@ if ARGV[8] == '1' then
 end
 local position = fair_insert(queue, tags, state, since, entry, fair, w)
 redis.call('HSET', parked, id, ARGV[2])
+journaled(KEYS[n + 9], ARGV[9], now)
 redis.call('ZADD', since, now, entry)
 redis.call('PEXPIRE', since, FAIR_KEEP_MS)
 for i = 1, n do

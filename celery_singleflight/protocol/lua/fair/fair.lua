@@ -6,7 +6,8 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 -- Reserve free ``slot`` (its record ``prev``) for the run ``id`` whose token is ``token``, as a
--- hand-off does: the run adopts it when it takes the gate (ACQUIRE with that token).
+-- hand-off does: the run adopts it when it takes the gate (ACQUIRE with that token). A holder
+-- that died there is named in the reservation (the caller ends its run; a replay names it again).
 local function reserve(slot, prev, token, id, now, ttl, keep)
   local res = {v = PROTOCOL, token = token, task_id = id, reserved = '1', by = FAIR_BY, since = num(now),
     deadline = num(now + ttl), state = 'handing-off'}
@@ -15,9 +16,18 @@ local function reserve(slot, prev, token, id, now, ttl, keep)
     res.prev_task_id, res.prev_outcome = previous(prev, now)
     if expired(prev, now) then
       res.lost = add_lost(prev.lost, prev.fence)
+      if prev.task_id ~= id then
+        res.prev_worker, res.prev_task_name = prev.worker or '', prev.task_name or ''
+      end
     end
   end
   redis.call('SET', KEYS[slot], cjson.encode(res), 'PX', ttl + keep)
+  return res
+end
+-- FAIR_ENTER's answer for a run whose slot ``res`` is reserved for it: the slot (0-based) and the
+-- holder that died there, if any
+local function admitted(slot, res)
+  return {ADMITTED, slot - 1, dead_named(res)}
 end
 -- The virtual time: the tag of the queue's first entry, the next to be served (0 when empty).
 -- Tags below it belong to entries that left the queue: they are dropped here.

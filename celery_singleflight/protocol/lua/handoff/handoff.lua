@@ -1,6 +1,5 @@
 -- Helpers of the hand-off: a free slot goes to the first parked run; runs that joined a holder
 -- are handed to whoever ends it; a turned-away redelivery's own copy is dropped when its run ends.
---
 -- Hand a free ``slot`` to the first parked run: the slot is reserved for it (its handoff token)
 -- until it starts and adopts it; its entry stays in the queue until then, so a crash before its
 -- message is sent loses nothing. ``recs``: the records of every slot; ``by``: who asks (it sends
@@ -33,9 +32,11 @@ local function hand_off(slot, n, recs, queue, parked, now, ttl, keep, by, mine, 
         if prev then
           res.fence, res.lost, res.joined, res.rt = prev.fence, prev.lost, prev.joined, prev.rt
           res.prev_task_id, res.prev_outcome = previous(prev, now)
-          if expired(prev, now) then
-            res.lost = add_lost(prev.lost, prev.fence) -- and who died, for a re-sent ACQUIRE:
-            res.prev_worker, res.prev_task_name = prev.worker or '', prev.task_name or ''
+          if expired(prev, now) then -- and who died, for the caller to end (a replay names it again)
+            res.lost = add_lost(prev.lost, prev.fence)
+            if prev.task_id ~= id then
+              res.prev_worker, res.prev_task_name = prev.worker or '', prev.task_name or ''
+            end
             forget_dead(marker, prev)
           end
         end

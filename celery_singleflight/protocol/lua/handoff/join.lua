@@ -2,8 +2,10 @@
 -- KEYS[1] - run record of the key
 -- KEYS[2] - runs joined to the holder's run
 -- KEYS[3] - what releases handed over (hash: release token -> joined messages)
+-- KEYS[4] - the journal marks of runs waiting on the key (protocol/epoch.py)
 -- ARGV[1] - the joining run's message (it gets the holder's result); added once, however often
 --           this runs
+-- ARGV[2] - the run's journal mark ('' if it is not journaled)
 -- return {FREE} if the key is free (acquire again), else {JOINED, number joined, holder task id,
 --        ms until the holder's lease runs out (0 once it ended)}
 -- A second run of a call whose first run joined answers JOINED, adding nothing, even if the
@@ -20,6 +22,7 @@ if not held and not before then
 end
 if not before then
   redis.call('RPUSH', KEYS[2], ARGV[1])
+  journaled(KEYS[4], ARGV[2], now)
 end
 if held and not r.joined then
   r.joined = '1'

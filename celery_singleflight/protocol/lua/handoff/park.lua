@@ -4,10 +4,12 @@
 -- KEYS[n+2] - parked messages
 -- KEYS[n+3] - hand-off tokens of parked runs that took their slot (ADOPTED)
 -- KEYS[n+4] - the key's pause (controls): while it lasts a run parks, free slot or not
+-- KEYS[n+5] - the journal marks of runs waiting on the key (protocol/epoch.py)
 -- ARGV[1] - the entry 'task id|handoff token'
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - the most runs that may wait (-1: no limit)
 -- ARGV[4] - n, the number of slots
+-- ARGV[5] - the run's journal mark ('' if it is not journaled)
 -- An own copy (its token starts with OWN_COPY: a turned-away redelivery of the holder's own run)
 -- waits at the front, beyond any limit, and only runs if that run's lease ends without a release
 -- (RELEASE drops it); it is parked only while that run holds a slot (else FREE: not run); an entry already parked under its task id is kept as it is, so a second run
@@ -57,6 +59,7 @@ if not redis.call('HGET', parked, id) then
     redis.call('RPUSH', queue, ARGV[1])
   end
   redis.call('HSET', parked, id, ARGV[2])
+  journaled(KEYS[n + 5], ARGV[5], now)
 elseif not own then
   local found = redis.call('LPOS', queue, ARGV[1])
   position = found and found + 1 or length

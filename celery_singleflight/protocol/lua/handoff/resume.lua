@@ -15,18 +15,35 @@
 -- ARGV[4] - how long a record outlives its lease, milliseconds
 -- return {NOTHING_WAITS}; {ALL_HELD, ms until a lease runs out or the pause ends} (check again then);
 --        {MORE_SLOTS, slots} if the key's limits allow more slots than were named;
---        {HANDED_ON, reservation ms, message or '', orphaned joined runs...} if a slot was free;
+--        {HANDED_ON, reservation ms, message or '', k, then the task id, worker and task name of
+--        each of the k runs whose lease ran out unreleased on a slot of the key, orphaned joined
+--        runs...} if a slot was free (the caller sends the message, ends the dead runs, answers
+--        the joined ones);
 --        {FOREIGN, version} if a record was written by another protocol version
 local n, ttl, by = tonumber(ARGV[2]), tonumber(ARGV[1]), ARGV[3]
 local queue, parked, joined, settled, marker = KEYS[n + 1], KEYS[n + 2], KEYS[n + 3], KEYS[n + 4], KEYS[n + 5]
-local recs = records(n)
+local recs, now = records(n), clock()
+-- the answer for a hand-on of ``msg`` on the slot now reserved as ``res``: every holder that died
+-- on the key is named, the one whose slot was handed on (the reservation keeps it) and any other
+-- (runs waited on the key: each is ended, not only the one whose slot was handed first)
+local function handed(msg, res)
+  local id, worker, task = dead_named(res)
+  local dead = worker ~= '' and {id, worker, task} or {}
+  for i = 1, n do
+    local r = recs[i]
+    if expired(r, now) and r.task_id and r.task_id ~= id then
+      append(dead, {r.task_id, r.worker or '', r.task_name or ''})
+    end
+  end
+  return append({HANDED_ON, ttl, msg, #dead / 3}, dead)
+end
 for i = 1, n do
   if recs[i] and recs[i].reserved and recs[i].by == by then -- this call ran before
-    return append({HANDED_ON, ttl, redis.call('HGET', parked, recs[i].task_id) or ''}, settled_for(settled, by))
+    return append(handed(redis.call('HGET', parked, recs[i].task_id) or '', recs[i]), settled_for(settled, by))
   end
 end
 if redis.call('HEXISTS', settled, by) == 1 then
-  return append({HANDED_ON, ttl, ''}, settled_for(settled, by))
+  return append(handed('', nil), settled_for(settled, by))
 end
 if redis.call('LLEN', queue) == 0 and redis.call('LLEN', joined) == 0 then
   return {NOTHING_WAITS}
@@ -35,7 +52,6 @@ local version = foreign(recs, n)
 if version then
   return {FOREIGN, version}
 end
-local now = clock()
 local pause = paused_left(redis.call('GET', KEYS[n + 6]), now)
 if pause then
   return {ALL_HELD, pause_look(pause)} -- look again when the pause ends (resume looks at once)
@@ -58,19 +74,19 @@ for i = 1, n do
     break    -- for this slot and no other, so it is handed this one again
   end
 end
-local out = {HANDED_ON, ttl, ''}
 if expired(recs[slot], now) then
   forget_dead(marker, recs[slot])
 end
+local taken = {}
 if slot == 1 then -- joined runs only exist with one slot: their holder is gone
-  append(out, take_joined(joined, settled, by))
+  taken = take_joined(joined, settled, by)
   if recs[1] and recs[1].joined then
     recs[1].joined = nil
     redis.call('SET', KEYS[1], cjson.encode(recs[1]), 'KEEPTTL')
   end
 end
-out[3] = hand_off(slot, n, recs, queue, parked, now, ttl, tonumber(ARGV[4]), by, false, marker) or ''
-if out[3] == '' and #out == 3 then
+local msg = hand_off(slot, n, recs, queue, parked, now, ttl, tonumber(ARGV[4]), by, false, marker)
+if not msg and #taken == 0 then
   return {ALL_HELD, ttl}
 end
-return out
+return append(handed(msg or '', msg and recs[slot] or nil), taken)

@@ -15,12 +15,12 @@ for i = 1, n do
       r.deadline = num(now + ttl)
       redis.call('SET', KEYS[i], cjson.encode(r), 'PX', px)
     end
-    return r.fence .. ':' .. r.since .. ':' .. (i - 1)
+    local got = r.fence .. ':' .. r.since .. ':' .. (i - 1)
+    return r.prev_worker and {TOOK, got, dead_named(r)} or got -- a dead holder it replaced: named again
   end
-  if r and r.reserved and r.by == token then
-    local msg, dead = redis.call('HGET', parked, r.task_id) or '', r.prev_worker -- its holder died: named again
-    return {HANDED_ON, r.task_id, math.max(tonumber(r.deadline) - now, 0), msg, dead and r.prev_task_id or '',
-      dead or '', dead and r.prev_task_name or ''}
+  if r and r.reserved and r.by == token then -- the dead holder it handed on: named again
+    local msg = redis.call('HGET', parked, r.task_id) or ''
+    return {HANDED_ON, r.task_id, math.max(tonumber(r.deadline) - now, 0), msg, dead_named(r)}
   end
   waiting = waiting or (r and r.waiting)
 end
@@ -39,8 +39,9 @@ for i = 1, n do
   end
 end
 local adopting = slot ~= nil
-if handoff ~= '' and not adopting and taken_before(adopted, handoff, recs, n, now) then
-  return {ADOPTED} -- this parked run took its slot and ran: a copy of its message must not run again
+if handoff ~= '' and (taken_before(adopted, handoff, recs, n, now)
+    or (adopting and holds_elsewhere(adopted, handoff, recs, n, slot, now))) then
+  return {ADOPTED} -- this parked run took its slot (and ran, or runs): a copy must not run it again
 end
 local _, want = slot_limits(limits, n)
 if want > n then
@@ -70,11 +71,10 @@ if not slot then
   end
   if waiting then
     local mine = handoff ~= '' and id .. '|' .. handoff
-    local dead = expired(recs[slot], now) and recs[slot] -- its holder died: the caller ends its run
     local msg = hand_off(slot, n, recs, queue, parked, now, ttl, keep, token, mine, marker)
     if msg then
-      return {HANDED_ON, recs[slot].task_id, ttl, msg, dead and dead.task_id or '', dead and dead.worker or '',
-        dead and dead.task_name or ''}
+      -- the reservation names a holder that died there: the caller ends its run
+      return {HANDED_ON, recs[slot].task_id, ttl, msg, dead_named(recs[slot])}
     end
     waiting = redis.call('LLEN', queue) > 0
   end
@@ -95,7 +95,7 @@ if handoff ~= '' then
   redis.call('ZADD', adopted, fence, handoff)
   redis.call('PEXPIRE', adopted, ADOPTED_KEEP_MS)
 end
-local extra, lost, carried = carried_over(prev, now, adopting, marker)
+local extra, lost, carried, dead = carried_over(prev, now, adopting, marker, id)
 if waiting then
   extra = extra .. WAITING_FLAG
 end
@@ -111,4 +111,8 @@ if lost ~= '' then
 end
 redis.call('SET', KEYS[slot], RUNNING_RECORD(open, token, fence, since, deadline) .. rt .. ARGV[2] .. trace ..
   extra .. carried .. '}', 'PX', px)
+if dead then -- its lease ran out unreleased: the caller ends its run
+  return {TOOK, fence .. ':' .. since .. ':' .. (slot - 1), dead.task_id or '', dead.worker or '',
+    dead.task_name or ''}
+end
 return fence .. ':' .. since .. ':' .. (slot - 1)

@@ -17,6 +17,9 @@
 -- ARGV[3] - the holder's trace context (W3C traceparent); not sent when its run is not traced
 -- return 'fence:since ms:slot' if acquired (one string: the cheapest reply to read; slot counts
 --        from 0), also when this is a second run of the same call;
+--        {TOOK, 'fence:since ms:slot', and the task id, worker and task name of the run whose
+--        lease ran out unreleased on that slot} if acquired in place of a dead holder (the caller
+--        ends its run; a second run of the call names it again);
 --        {HELD, holder task id, lease ms left, its trace context or ''} if every slot is held
 --        (the holder whose lease ends first);
 --        {HANDED_ON, its task id, reservation ms, message, and the task id, worker and task name of

@@ -12,11 +12,27 @@ local function history_end(r, history, cap, keep, now, extra, always)
     redis.call('PEXPIRE', history, keep)
   end
 end
+-- ACQUIRE: a reservation for ``handoff`` on ``slot`` while the run that adopted that token before
+-- still holds its lease on another slot (its fence is the adopted one): a second reservation
+-- for one run (a fair run's first ran out while its message was slow, and a copy was reserved
+-- another): the copy must not adopt it
+local function holds_elsewhere(adopted, handoff, recs, n, slot, now)
+  local fence = redis.call('ZSCORE', adopted, handoff)
+  for i = 1, n do
+    local r = recs[i]
+    if fence and i ~= slot and live(r, now) and not r.reserved and r.fence == fence then
+      return true
+    end
+  end
+  return false
+end
 -- ACQUIRE: what a slot's new record carries of its previous one ``prev``: who ran before and how
 -- it ended (and the joined flag), the fences of lost leases (a dead holder's added), and a
--- supersede a parked run learnt on its way (``adopting``)
-local function carried_over(prev, now, adopting, marker)
-  local extra, lost, carried = '', '', ''
+-- supersede a parked run learnt on its way (``adopting``); and the dead holder it replaces, if
+-- any and not the taking run ``id`` itself (its lease ran out unreleased: the caller ends its
+-- run; a replay names it again)
+local function carried_over(prev, now, adopting, marker, id)
+  local extra, lost, carried, dead = '', '', '', false
   if prev then
     local prev_id, prev_outcome = previous(prev, now)
     if prev_id then
@@ -26,6 +42,11 @@ local function carried_over(prev, now, adopting, marker)
     if expired(prev, now) and not adopting then
       lost = add_lost(lost, prev.fence)
       forget_dead(marker, prev)
+      if prev.task_id ~= id then
+        dead = prev
+        extra = extra .. ',"prev_worker":' .. cjson.encode(prev.worker or '') .. ',"prev_task_name":' ..
+          cjson.encode(prev.task_name or '')
+      end
     end
     if prev.joined then
       extra = extra .. JOINED_FLAG
@@ -34,5 +55,5 @@ local function carried_over(prev, now, adopting, marker)
       carried = superseded_on_the_way(prev)
     end
   end
-  return extra, lost, carried
+  return extra, lost, carried, dead
 end

@@ -6,6 +6,7 @@
 -- KEYS[n+3] - the newest book (hash: 's:<id>' -> send stamp of the pending run, 'o:<id>' -> JSON
 --             list of the messages of runs it replaced, until they are answered)
 -- KEYS[n+4] - hand-off tokens of parked runs that took their slot (ADOPTED)
+-- KEYS[n+5] - the journal marks of runs waiting on the key (protocol/epoch.py)
 -- ARGV[1] - the entry 'task id|handoff token'
 -- ARGV[2] - the message to send when it is its turn
 -- ARGV[3] - 'last' (a newer duplicate replaces the pending run), 'first' (it is dropped), or
@@ -14,6 +15,7 @@
 -- ARGV[5] - the run's send stamp (a whole number; '' if sent without one: it counts as the newest)
 -- ARGV[6] - supersede: the grace before a superseded run is revoked, milliseconds
 -- ARGV[7] - supersede: the revoke's signal name
+-- ARGV[8] - the run's journal mark ('' if it is not journaled)
 -- The pending run is the queued entry not yet handed a slot (a reserved one is as good as
 -- running; a redelivery's own copy is not a run of its own). A second run of the same call finds
 -- this run parked and answers as the first did; every held record is flagged ``waiting``, so
@@ -84,6 +86,7 @@ if pending then
 end
 redis.call('RPUSH', queue, ARGV[1])
 redis.call('HSET', parked, id, ARGV[2])
+journaled(KEYS[n + 5], ARGV[8], now)
 if stamp ~= '' then
   redis.call('HSET', book, 's:' .. id, stamp)
 end

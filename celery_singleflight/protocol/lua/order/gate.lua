@@ -1,10 +1,12 @@
 -- ORDER_GATE: may this run go on, or does it wait for its turn? (protocol/order.py)
 -- KEYS[1] - the order book of the key (hash: 'sent', 'next', 'at', 'a', 'to', 'skipped', 'w:<seq>')
 -- KEYS[2] - the sequence numbers waiting (sorted set)
+-- KEYS[3] - the journal marks of runs waiting on the key (protocol/epoch.py)
 -- ARGV[1] - the run's sequence number
 -- ARGV[2] - this delivery: 'task id|delivery tag'
 -- ARGV[3] - its message (kept while it waits for its turn)
 -- ARGV[4] - order_timeout, milliseconds (kept as the key's own, 'to')
+-- ARGV[5] - the run's journal mark ('' if it is not journaled)
 -- A run goes on when every smaller number has gone on or was skipped ('next' is its number);
 -- it is then *admitted* ('a'), and the next number's turn comes only when it has taken the
 -- lease or entered the queue (ORDER_ADVANCE). A waiting run's message is kept in the book. A
@@ -42,6 +44,7 @@ end
 if not redis.call('HGET', book, 'w:' .. seq) then
   redis.call('HSET', book, 'w:' .. seq, ARGV[3])
   redis.call('ZADD', queue, seq, seq)
+  journaled(KEYS[3], ARGV[5], now)
 end
 local at = tonumber(redis.call('HGET', book, 'at') or '0')
 if at == 0 then

@@ -62,8 +62,7 @@ local function scan(recs, n, now)
   end
   return free, holder, left, held_at
 end
--- every slot's record when all are held, and the ms until the first lease runs out; nil
--- when a slot is free
+-- every slot's record when all are held, and the ms until the first lease runs out (nil: a slot is free)
 local function all_held(n, now)
   local recs = records(n)
   local free, _, left = scan(recs, n, now)
