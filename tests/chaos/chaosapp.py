@@ -346,11 +346,14 @@ def soak_limited(self, key, seconds):
 # -- nothing waiting is lost: one task per policy (tests/chaos/test_nothing_lost.py) ----------------
 
 
-def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False, planned: Any = None) -> int:
+def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False, planned: Any = None,
+             until: str | None = None) -> int:
     """Record a run under its lock key (with its argument ``n``) and hold it ``seconds``; stop
     (``LeaseLost``) as soon as the lease counts as lost, as a careful task does. A superseded run
     goes on until it is revoked. ``per_slot``: each slot of a ``max_concurrency`` key is a key of
-    the recorder. ``planned``: a rate-limited run's cell (its planned start, epoch seconds)."""
+    the recorder. ``planned``: a rate-limited run's cell (its planned start, epoch seconds).
+    ``until``: a recorder key; the run ends as soon as it exists (``seconds`` is then the most it
+    waits), so a scenario decides when a holder ends instead of guessing a duration."""
     lease = task.lease
     run = Run(f"{lease.key}#slot{lease.slot}" if per_slot else lease.key, task.name, lease.fence)
     run.info["n"] = str(n)
@@ -361,6 +364,8 @@ def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False, plann
         while time.monotonic() < deadline:
             if lease.lost:
                 lease.check()
+            if until is not None and recorder.exists(until):
+                break
             time.sleep(0.02)
     return n
 
@@ -406,6 +411,40 @@ def nl_debounce(self, key, n, seconds=0.1):
 def nl_rate(self, key, n, seconds=0.05):
     """Rate limited; 8 slots, so a long run does not hold the others back (only the rate does)."""
     return _nl_body(self, n, seconds, per_slot=True, planned=getattr(self.request, PLANNED_ATTR, None))
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.nl_fair", lock_key="nl:f:<key>:<n>",
+          fair_key="<tenant>", fair_concurrency=2)
+def nl_fair(self, key, n, seconds=0.1, tenant="t0", until=None):
+    """Fair share: at most 2 runs of the task at once (its gate ``fair:chaos.nl_fair``), slots
+    handed round robin across tenants. Each run has a lock key of its own (``n``), so only the gate
+    limits them; the recorder sees each run under that key."""
+    return _nl_body(self, n, seconds, until=until)
+
+
+# -- a worker killed inside a window of the waiting machinery (tests/chaos/test_waiting_windows.py) --
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.win_rate", lock_key="w:rate:<key>",
+          on_duplicate="queue", key_rate_limit="12/m")
+def win_rate(self, key, n, seconds=0.1):
+    """Rate limited, one cell every 5 s: a run sent just after another's start is delayed for sure
+    (its countdown message waits in the worker that received it)."""
+    return _nl_body(self, n, seconds, planned=getattr(self.request, PLANNED_ATTR, None))
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.win_retry", lock_key="w:retry:<key>",
+          on_duplicate="retry", max_wait=120)
+def win_retry(self, key, n, seconds=0.1, until=None):
+    """Retry policy: a duplicate is re-sent with a countdown (a delayed run with its copy in Redis)."""
+    return _nl_body(self, n, seconds, until=until)
+
+
+@app.task(bind=True, base=SingleFlightTask, name="chaos.win_queue", lock_key="w:queue:<key>",
+          on_duplicate="queue")
+def win_queue(self, key, n, seconds=0.1, until=None):
+    """Queue policy: a duplicate parks (``QUEUED``) until the holder releases and hands it the key."""
+    return _nl_body(self, n, seconds, until=until)
 
 
 # -- the lease Redis loses its data (tests/chaos/test_redis_data_loss.py) -------------------------

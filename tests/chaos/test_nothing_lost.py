@@ -2,13 +2,16 @@
 
 Policies (the ``chaos.nl_*`` tasks, one key each): ``queue``, ``queue`` with ``ordered=True``,
 ``max_concurrency=2`` with ``queue``, ``coalesce``, ``supersede`` (grace 2 s), ``debounce`` (1 s,
-max wait 3 s) and ``key_rate_limit="4/s"``. In each scenario every policy first has a run
-holding its key and runs waiting for it (parked or pending in Redis, or delayed as countdown
-messages), then one fault comes, the same for all:
+max wait 3 s), ``key_rate_limit="4/s"`` and fair share (``fair_concurrency=2``, three tenants:
+two runs hold the gate's slots, six wait parked at the gate by the waiting worker's main process;
+each run has a lock key of its own, so only the gate limits them). In each scenario every policy
+first has a run holding its key and runs waiting for it (parked or pending in Redis, or delayed
+as countdown messages), then one fault comes, the same for all:
 
 - ``holders-worker``: the worker running every holder SIGKILLed (its whole process group);
 - ``waiting-worker``: the worker holding the waiting runs SIGKILLed: its pool parked the parked
-  and pending runs, its main process holds the countdown messages of debounce and the rate limit;
+  and pending runs, its main process holds the countdown messages of debounce and the rate limit
+  (and parked the fair runs at their gate);
 - ``redis-empty``: the lease Redis SIGKILLed and back on its port ``OUTAGE`` later, empty;
 - ``redis-aof``: the same, back from its AOF (``appendfsync always``).
 
@@ -61,7 +64,8 @@ RATE_INTERVAL = 0.25  # key_rate_limit="4/s"
 RATE_TOLERANCE = 0.05  # the broker's countdown timers on a busy machine
 DEBOUNCE_MAX_WAIT = 3.0
 DEBOUNCE_BOUND = DEBOUNCE_MAX_WAIT + GRACE  # a burst's run starts at most this long after its first call
-HOLDER_PROCS = 8  # one per holder: queue, ordered, 2 x max_concurrency, coalesce, supersede, rate, debounce
+HOLDER_PROCS = 10  # one per holder: queue, ordered, 2 x max_concurrency, coalesce, supersede, rate, debounce,
+# 2 x fair share
 WAITING_PROCS = 2
 KEY = "k"
 
@@ -74,7 +78,10 @@ POLICIES: dict[str, tuple[str, int]] = {
     "supersede": ("nl_supersede", 1),
     "debounce": ("nl_debounce", 1),
     "rate limit": ("nl_rate", 8),
+    "fair share": ("nl_fair", 2),
 }
+FAIR_TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+FAIR_WAITING = 6  # parked at the gate, two per tenant
 FAULTS = ["holders-worker", "waiting-worker", "redis-empty", "redis-aof"]
 
 
@@ -101,10 +108,11 @@ class Matrix:
     def task(self, policy: str) -> Any:
         return getattr(self.chaos, POLICIES[policy][0])
 
-    def send(self, policy: str, n: int, role: str, seconds: float = SHORT, key: str = KEY) -> Call:
+    def send(self, policy: str, n: int, role: str, seconds: float = SHORT, key: str = KEY,
+             **kwargs: Any) -> Call:
         queue = self.holders_q if role == "holder" else self.waiting_q
         sent = time.time()
-        call = Call(n, role, self.task(policy).apply_async((key, n, seconds), queue=queue), key, sent)
+        call = Call(n, role, self.task(policy).apply_async((key, n, seconds), kwargs, queue=queue), key, sent)
         self.calls[policy].append(call)
         return call
 
@@ -133,8 +141,10 @@ def noted_or_ran(task: Any, call: Call) -> bool:
 def load(m: Matrix) -> None:
     """Bring every policy to its state at the fault: a holder running in the holders' worker and
     runs waiting in the other one (parked there, or delayed as its countdown messages)."""
-    holders = [m.send(p, 0, "holder", HOLD) for p in POLICIES if p != "debounce"]
+    holders = [m.send(p, 0, "holder", HOLD) for p in POLICIES if p not in ("debounce", "fair share")]
     holders.append(m.send("max_concurrency=2", 1, "holder", HOLD))
+    # fair share: both slots of the gate held, by two tenants
+    holders += [m.send("fair share", n, "holder", HOLD, tenant=FAIR_TENANTS[n]) for n in (0, 1)]
     # debounce burst 1: its first call's message runs (with the last call's arguments) in the
     # holders' worker and holds its key across the fault; the two others fold into it
     leader = m.send("debounce", 0, "holder", HOLD, key="b1")
@@ -147,25 +157,29 @@ def load(m: Matrix) -> None:
     waiting += [m.send("ordered", n, "waiting") for n in (1, 2, 3, 4)]
     waiting += [m.send("max_concurrency=2", n, "waiting") for n in (2, 3, 4, 5)]
     waiting += [m.send("coalesce", n, "waiting") for n in (1, 2, 3)]
+    # parked at the gate by the waiting worker's main process as their messages arrive
+    waiting += [m.send("fair share", n, "waiting", tenant=FAIR_TENANTS[n % 3])
+                for n in range(2, 2 + FAIR_WAITING)]
     wait_for(lambda: all(parked(c) for c in waiting), timeout=15)
     followers = [c for c in m.calls["debounce"] if c.role == "follower"]
     wait_for(lambda: m.started(leader) and all(c.result.ready() for c in followers), timeout=15)
 
-    # last, what must still be delayed or in its grace when the fault comes: debounce burst 2
-    # (due 1 s after its last call), 8 rate-limited runs (cells 0.25 s apart), supersede (grace 2 s)
-    for n in (10, 11, 12):
-        m.send("debounce", n, "waiting", key="b2")
-        time.sleep(0.2)
+    # last, what must still be delayed or in its grace when the fault comes: 8 rate-limited runs
+    # (cells 0.25 s apart), supersede (grace 2 s), then debounce burst 2 (due 1 s after its last
+    # call: sent after the waits below, which a loaded machine can make longer than that)
     rate_first = m.send("rate limit", 1, "waiting")  # starts at once: the holder's cell is long past
     for n in range(2, 9):
         m.send("rate limit", n, "waiting")
     superseding = [m.send("supersede", n, "waiting") for n in (1, 2, 3)]
     wait_for(lambda: rate_first.result.ready() and all(parked(c) for c in superseding), timeout=10)
     # the worker holds the rate-limited runs' countdown messages and has noted so: its death then
-    # frees their copies once it is seen gone (a copy no worker noted waits a longer grace)
+    # frees their copies once it is seen gone (tests/chaos/test_waiting_windows.py: unnoted ones)
     rate = m.task("rate limit")
     delayed = [c for c in m.calls["rate limit"] if c.role == "waiting" and c is not rate_first]
     wait_for(lambda: all(noted_or_ran(rate, c) for c in delayed), timeout=10)
+    for n in (10, 11, 12):
+        m.send("debounce", n, "waiting", key="b2")
+        time.sleep(0.2)  # the burst's calls, 0.2 s apart (debounce 1 s): one burst
 
 
 class Terminal:
@@ -241,14 +255,19 @@ def ran(key_runs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return [r for r in key_runs if r["n"] == str(n)]
 
 
-def once_each(calls: list[Call], key_runs: list[dict[str, Any]]) -> list[str]:
-    """Every call's body started exactly once; every waiting call ended SUCCESS with its ``n``."""
+def once_each(calls: list[Call], key_runs: list[dict[str, Any]], deaths: dict[int, float]) -> list[str]:
+    """Every call's body started exactly once; every waiting call ended SUCCESS with its ``n``, or,
+    if the kill cut its body (it never ended, in a process killed), FAILURE with RunLost: a run lost
+    with its worker (a rate-limited run whose cell came just before the kill)."""
     found = []
     for c in calls:
         if len(ran(key_runs, c.n)) != 1:
             found.append(f"{c.role} {c.n} ran {len(ran(key_runs, c.n))} times")
         elif c.role == "waiting" and not (c.result.state == "SUCCESS" and c.result.result == c.n):
-            found.append(f"waiting {c.n} ended {c.result.state} {c.result.result!r}")
+            run = ran(key_runs, c.n)[0]
+            cut = run["end"] is None and int(run["pid"]) in deaths
+            if not (cut and c.result.state == "FAILURE" and isinstance(c.result.result, sf.RunLost)):
+                found.append(f"waiting {c.n} ended {c.result.state} {c.result.result!r}")
     return found
 
 
@@ -274,11 +293,13 @@ def last_sent_ran_last(calls: list[Call], key_runs: list[dict[str, Any]], replac
 
 
 def bursts(calls: list[Call], all_runs: list[dict[str, Any]], bound: float,
-           after: tuple[float, float] | None = None) -> tuple[list[str], float | None]:
+           after: tuple[float, float] | None = None, deaths: dict[int, float] | None = None
+           ) -> tuple[list[str], float | None]:
     """debounce: one run per burst, with its last call's argument, within ``bound`` of its first
     call, or else within ``after[1]`` of the time ``after[0]`` (the death of the worker holding
     its countdown message: its copy goes out once that worker is seen gone); the other calls of
-    the burst end SUCCESS, debounced into that run."""
+    the burst end SUCCESS, debounced into that run. A run whose body the kill cut (it never ended,
+    in a process in ``deaths``) may end FAILURE with RunLost: lost with its worker."""
     found, worst = [], None
     for key in ("b1", "b2"):
         burst = [c for c in calls if c.key == key]
@@ -295,7 +316,10 @@ def bursts(calls: list[Call], all_runs: list[dict[str, Any]], bound: float,
             found.append(f"burst {key} ran {waited:.2f} s after its first call")
         for c in burst:
             if c.result.id == run["task_id"]:
-                if c.role == "waiting" and not (c.result.state == "SUCCESS" and c.result.result == last.n):
+                cut = run["end"] is None and int(run["pid"]) in (deaths or {})
+                lost = cut and c.result.state == "FAILURE" and isinstance(c.result.result, sf.RunLost)
+                if c.role == "waiting" and not (c.result.state == "SUCCESS" and c.result.result == last.n) \
+                        and not lost:
                     found.append(f"burst {key}: its run ended {c.result.state} {c.result.result!r}")
             elif not (c.result.state == "SUCCESS" and sf.is_debounced(c.result.result)
                       and c.result.result["into"] == run["task_id"]):
@@ -358,8 +382,12 @@ def check_cell(policy: str, m: Matrix, terminal: Terminal, fault_at: float, deat
     bound = BOUND[fault]
     task, slots = m.task(policy), POLICIES[policy][1]
     calls = m.calls[policy]
-    keys = [task.render_key("b1", 0), task.render_key("b2", 0)] if policy == "debounce" else [
-        task.render_key(KEY, 0)]
+    if policy == "debounce":
+        keys = [task.render_key("b1", 0), task.render_key("b2", 0)]
+    elif policy == "fair share":  # each run's own lock key: the recorder counts them by this prefix
+        keys = [task.render_key(KEY, 0).rsplit(":", 1)[0] + ":"]
+    else:
+        keys = [task.render_key(KEY, 0)]
     all_runs = [r for r in runs(m.chaos) if r["name"] == task.name]
     key_runs = sorted(all_runs, key=lambda r: r["start"])
     problems: list[str] = [] if waiting_at_fault else ["nothing waited at the fault (the load came late)"]
@@ -374,10 +402,10 @@ def check_cell(policy: str, m: Matrix, terminal: Terminal, fault_at: float, deat
     worst = max((terminal.at[c.result.id] - fault_at for c in calls if c.result.id in terminal.at),
                 default=None)
 
-    if policy in ("queue", "max_concurrency=2", "rate limit"):
-        problems += once_each(calls, key_runs)
+    if policy in ("queue", "max_concurrency=2", "rate limit", "fair share"):
+        problems += once_each(calls, key_runs, deaths)
     elif policy == "ordered":
-        problems += once_each(calls, key_runs)
+        problems += once_each(calls, key_runs, deaths)
         order = [int(r["n"]) for r in key_runs]
         # back empty, the sequence numbers went with the data: recovered runs go by arrival (as
         # docs/guarantees.md says; a fresh-clone run saw [0, 1, 2, 4, 3])
@@ -394,7 +422,7 @@ def check_cell(policy: str, m: Matrix, terminal: Terminal, fault_at: float, deat
         # its countdown message's worker killed: the copy goes out once the worker is seen gone, at
         # the next sweep (on a loaded machine that can end past the first bound)
         after = (fault_at, constants.WORKER_GONE_AFTER + SWEEP + GRACE) if fault == "waiting-worker" else None
-        found, extra["debounce_worst_wait_s"] = bursts(calls, key_runs, debounce_bound, after)
+        found, extra["debounce_worst_wait_s"] = bursts(calls, key_runs, debounce_bound, after, deaths)
         problems += found
     if policy == "rate limit":
         found, extra["rate_closest_starts_s"] = spaced(key_runs)
@@ -418,6 +446,8 @@ def check_cell(policy: str, m: Matrix, terminal: Terminal, fault_at: float, deat
         problems.append(f"{most} runs at once (max_concurrency={slots})")
 
     def held() -> list[str]:
+        if policy == "fair share":
+            return fair_held(task, calls)
         found = []
         for key in keys:
             if sf.status_all(m.chaos.app, key, slots=slots):
@@ -439,6 +469,17 @@ def check_cell(policy: str, m: Matrix, terminal: Terminal, fault_at: float, deat
         **{k: round3(v) for k, v in extra.items()},
         "problems": problems,
     }
+
+
+def fair_held(task: Any, calls: list[Call]) -> list[str]:
+    """A fair task's gate slots held or runs left parked at it, and its runs' lock keys held."""
+    gate = task.fair_status()
+    found = [f"{gate.gate} slot {r.slot} held by {r.task_id}" for r in gate.running]
+    if gate.waiting:
+        found.append(f"{gate.gate} has {len(gate.waiting)} parked")
+    found += [f"{task.render_key(c.key, c.n)} held" for c in calls
+              if task.store.holder_record(task.render_key(c.key, c.n)).token]
+    return found
 
 
 def table(fault: str, cells: dict[str, dict[str, Any]]) -> str:
