@@ -7,14 +7,19 @@ drives the real scripts on a real Redis beside it and compares both after every 
 - per slot: nothing or a run that ended (:class:`Ended`: who, how), a run holding it
   (:class:`Held`: who, its token, its fence, whether its lease ran out, who superseded it), or a
   reservation for a parked run (:class:`Reserved`: who, its hand-off token, who reserved it,
-  whether it ran out). A slot is *free* when it holds no live lease or reservation.
+  whether it ran out). A slot is *free* when it holds no live lease or reservation. A lease or
+  a reservation that replaced a holder whose lease ran out unreleased names that *dead* holder
+  (a call sent again names it again: its caller ends that run as lost), unless it is the very
+  run that takes the slot.
 - the queue of parked runs (``(task id, hand-off token)`` in order; an own copy's token starts
   with ``own-`` and waits at the front) and their messages; the joined runs' messages; what
   releases and sweeps handed over (``settled``, for a replay and for orphans); the hand-off
   tokens of parked runs that took their slot, with the fence they took it with (``adopted``);
   the fences of leases that ran out unreleased and were taken over (``lost``); the newest book
   of ``coalesce``/``supersede`` (the last-sent run pending or started, each pending run's send
-  stamp, the runs each one replaced until answered).
+  stamp, the runs each one replaced until answered); the journal marks of the runs that began to
+  wait on the key (``journaled``: PARK, JOIN and COALESCE add the call's mark only when they make
+  the run wait).
 
 Besides the store the model keeps what no data loss undoes: every fence granted, in order (each
 must be larger than all before it), and the fenced resource's stored fence (it lives in the
@@ -55,7 +60,8 @@ def is_own_copy(token: str) -> bool:
 @dataclass(frozen=True)
 class Held:
     """A run holds the slot: ``token`` is its execution's, ``fence`` is learned from the grant
-    (None until then), ``handoff`` the hand-off token it adopted the slot with ('' if none)."""
+    (None until then), ``handoff`` the hand-off token it adopted the slot with ('' if none),
+    ``dead`` the holder whose lease ran out unreleased that it took the slot from (None if none)."""
 
     run: str
     token: str
@@ -63,13 +69,15 @@ class Held:
     expired: bool = False
     sup_by: str | None = None
     handoff: str = ""
+    dead: str | None = None
 
 
 @dataclass(frozen=True)
 class Reserved:
     """The slot waits for parked run ``run`` (its hand-off token ``token``), reserved by ``by``
     (a releasing token, an acquiring token, a sweep's call id). ``fence``: the fence of the run
-    before, which the slot's record keeps (not compared: the next grant only has to exceed it)."""
+    before, which the slot's record keeps (not compared: the next grant only has to exceed it).
+    ``dead``: the holder whose lease ran out unreleased on the slot (its caller ends it)."""
 
     run: str
     token: str
@@ -77,6 +85,7 @@ class Reserved:
     expired: bool = False
     sup_by: str | None = None
     fence: int | None = None
+    dead: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class Store:
     latest: tuple[int, str] | None = None
     stamps: dict[str, int] = field(default_factory=dict)
     owed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    journaled: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not self.slots:
@@ -169,6 +179,19 @@ class Model:
     def _carried_fence(self, prev: Slot) -> int | None:
         return None if prev is None else prev.fence
 
+    @staticmethod
+    def _dead(prev: Slot, run: str) -> str | None:
+        """The holder a script that gives the slot to ``run`` replaces and names (its lease ran out
+        unreleased: it died, or froze), unless it is ``run`` itself (its own earlier attempt)."""
+        if isinstance(prev, Held) and prev.expired and prev.run != run:
+            return prev.run
+        return None
+
+    def _journal(self, mark: str) -> None:
+        """A run begins to wait on the key: its journal line's mark is kept ('' : none)."""
+        if mark:
+            self.store.journaled.add(mark)
+
     def _hand_off(self, slot: int, by: str, mine: tuple[str, str] | None = None) -> str | None:
         """Reserve the free ``slot`` for the first parked run that is not busy (reserved on
         another slot, its reservation live or run out: a run waits for one slot at a time; an
@@ -193,7 +216,8 @@ class Model:
             if run in st.parked:
                 prev = st.slots[slot]
                 self._lose(prev)
-                st.slots[slot] = Reserved(run, token, by, fence=self._carried_fence(prev))
+                st.slots[slot] = Reserved(run, token, by, fence=self._carried_fence(prev),
+                                          dead=self._dead(prev, run))
                 return st.parked[run]
             st.queue.remove(entry)
         return None
@@ -231,24 +255,37 @@ class Model:
         fence = st.adopted[handoff]
         return not (fence in st.lost or any(isinstance(s, Held) and s.fence == fence for s in st.slots))
 
+    def _holds_elsewhere(self, handoff: str, slot: int) -> bool:
+        """The run that adopted ``handoff`` before still holds that lease (live, its fence the
+        adopted one) on a slot other than ``slot``, which is reserved for the same token again."""
+        st = self.store
+        fence = st.adopted.get(handoff)
+        return fence is not None and any(
+            i != slot and self.live(i) and isinstance(s, Held) and s.fence == fence
+            for i, s in enumerate(st.slots))
+
     # -- the transitions ----------------------------------------------------------------------
 
     def acquire(self, run: str, token: str, handoff: str = "") -> Reply:
         """ACQUIRE by an execution of ``run`` (``handoff``: the token its message was re-sent
         with, '' if it never parked).
 
-        A run adopts the slot reserved for it. Another copy of a parked run's message, whose run
-        took its slot before and kept it to its release, is ``ADOPTED`` (dropped). Otherwise the
+        Another copy of a parked run's message, whose run took its slot before and kept it to its
+        release (or still holds it on another slot), is ``ADOPTED`` (dropped), also when a
+        reservation for its token exists (checked first: a second reservation for one token is a
+        copy's, never a second run). Else a run adopts the slot reserved for it. Otherwise the
         first free slot: with runs parked it goes to the first of them that is not busy
         (``HANDED_ON``, the caller sends its message and ends the run that died holding the
-        slot, if any), unless that is the asking run itself. ``HELD`` when every slot is live
-        (a run already live on one slot of several is told it holds the key)."""
+        slot, if any and not the parked run itself), unless that is the asking run itself.
+        ``ACQUIRED`` names the run that died holding the slot it took, if any and not the asking
+        run itself (the caller ends it). ``HELD`` when every slot is live (a run already live on
+        one slot of several is told it holds the key)."""
         st = self.store
         slot = next((i for i, s in enumerate(st.slots)
                      if handoff and isinstance(s, Reserved) and s.token == handoff), None)
         adopting = slot is not None
-        if handoff and not adopting and self._taken_before(handoff):
-            return ("ADOPTED",)
+        if handoff and (self._taken_before(handoff) or (adopting and self._holds_elsewhere(handoff, slot))):
+            return ("ADOPTED",)  # checked before a reservation is adopted: a second one is a copy's
         if slot is None:
             slot = self.free_slot()
             if self.n > 1 and run in self.live_runs():
@@ -256,27 +293,26 @@ class Model:
             if slot is None:
                 return ("HELD", frozenset(self.live_runs()))
             if st.queue:
-                prev = st.slots[slot]
-                dead = prev.run if isinstance(prev, Held) and prev.expired else None
                 message = self._hand_off(slot, token, (run, handoff) if handoff else None)
                 if message is not None:
                     reserved = st.slots[slot]
                     assert isinstance(reserved, Reserved)
-                    return ("HANDED_ON", reserved.run, message, dead)
+                    return ("HANDED_ON", reserved.run, message, reserved.dead)
         if handoff:
             if (run, handoff) in st.queue:
                 st.queue.remove((run, handoff))
             st.parked.pop(run, None)
             st.adopted[handoff] = None  # its fence is learned with the grant
         prev = st.slots[slot]
-        sup_by = None
+        sup_by = dead = None
         if adopting:
             assert isinstance(prev, Reserved)
             sup_by = prev.sup_by  # superseded on its way: it starts superseded
         else:
             self._lose(prev)
-        st.slots[slot] = Held(run, token, None, sup_by=sup_by, handoff=handoff)
-        return ("ACQUIRED", slot)
+            dead = self._dead(prev, run)
+        st.slots[slot] = Held(run, token, None, sup_by=sup_by, handoff=handoff, dead=dead)
+        return ("ACQUIRED", slot, dead)
 
     def grant(self, slot: int, fence: int) -> None:
         """The fence of the grant :meth:`acquire` just predicted: larger than every fence
@@ -327,11 +363,11 @@ class Model:
         self.store.slots[slot] = replace(held, expired=False)
         return ("RENEWED_SUPERSEDED",) if held.sup_by else ("RENEWED",)
 
-    def park(self, run: str, token: str, message: str) -> Reply:
+    def park(self, run: str, token: str, message: str, mark: str = "") -> Reply:
         """PARK (``queue``; an own copy with an ``own-`` token, at the front): a run already
         parked, or whose hand-off token took a slot, is ``PARKED`` (a second run of the call:
         it waits, or waited); else ``FREE`` if a slot is free, or for an own copy whose run holds
-        no slot; else the run waits in the queue with its message."""
+        no slot; else the run waits in the queue with its message (and its journal ``mark``)."""
         st = self.store
         own = is_own_copy(token)
         if token in st.adopted or (not own and run in st.parked):
@@ -347,19 +383,22 @@ class Model:
             else:
                 st.queue.append((run, token))
             st.parked[run] = message
+            self._journal(mark)
         return ("PARKED", 1 if own else len(st.queue))
 
-    def join(self, message: str) -> Reply:
+    def join(self, message: str, mark: str = "") -> Reply:
         """JOIN (``join``, one slot): ``FREE`` if the slot is free; else the run waits for the
-        result of whoever ends the slot's run next (the holder, or a run it was handed to)."""
+        result of whoever ends the slot's run next (the holder, or a run it was handed to), its
+        journal ``mark`` kept."""
         st = self.store
         if not self.live(0):
             return ("FREE",)
         if message not in st.joined:
             st.joined.append(message)
+            self._journal(mark)
         return ("JOINED", len(st.joined))
 
-    def coalesce(self, run: str, token: str, message: str, mode: str, stamp: int) -> Reply:
+    def coalesce(self, run: str, token: str, message: str, mode: str, stamp: int, mark: str = "") -> Reply:
         """COALESCE (mode ``last``: ``coalesce``; ``supersede``): a run already pending, or whose
         hand-off token took a slot, is ``PENDING`` (a second run of the call). A run sent before
         the last-sent run pending or started ``GIVES_WAY`` to it (before ``FREE``: a late copy,
@@ -389,6 +428,7 @@ class Model:
                 st.owed[run] = replaced
         st.queue.append((run, token))
         st.parked[run] = message
+        self._journal(mark)
         st.stamps[run] = stamp
         st.latest = (stamp, run)
         if mode == "supersede":
@@ -419,8 +459,8 @@ class Model:
         """RESUME, the sweeper's look: ``NOTHING_WAITS`` with no run parked or joined;
         ``ALL_HELD`` when no slot is free (or nothing was handed on); else the first free slot
         goes to the first parked run (its message to the caller) and, the first slot free, the
-        joined runs of its gone holder come back (to answer). Also who died holding a slot (the
-        sweeper ends their runs)."""
+        joined runs of its gone holder come back (to answer). Also every holder that died on the
+        key (:meth:`dead_on_key`): the sweeper's settlement ends those runs."""
         st = self.store
         if not st.queue and not st.joined:
             return ("NOTHING_WAITS",)
@@ -429,14 +469,26 @@ class Model:
             return ("ALL_HELD",)
         # a reservation that ran out is handed again first: its run waits for that slot alone
         slot = next((i for i, s in enumerate(st.slots) if isinstance(s, Reserved) and s.expired), slot)
-        dead = frozenset(s.run for s in st.slots if isinstance(s, Held) and s.expired)
         joined: tuple[str, ...] = ()
         if slot == 0 and st.joined:
             joined = self._take_joined(call)
         message = self._hand_off(slot, call)
         if message is None and not joined:
             return ("ALL_HELD",)
-        return ("HANDED_ON", message, joined, dead)
+        reserved = st.slots[slot] if message is not None else None
+        handed = reserved if isinstance(reserved, Reserved) else None
+        return ("HANDED_ON", message, joined, self.dead_on_key(handed))
+
+    def dead_on_key(self, reserved: Reserved | None) -> tuple[str, ...]:
+        """Whom a RESUME that handed a slot on (``reserved``, None if it handed none) names dead,
+        in order: the holder that died on the slot handed on (the reservation keeps it), then
+        every other holder whose lease ran out unreleased on a slot of the key. A second run of
+        the call names them as they are then."""
+        first = reserved.dead if reserved is not None else None
+        named = [first] if first is not None else []
+        named += [s.run for s in self.store.slots
+                  if isinstance(s, Held) and s.expired and s.run != (first or "")]
+        return tuple(named)
 
     def fenced_set(self, fence: int) -> Reply:
         """FENCED_SET on the user's resource: written unless a newer fence is stored."""
