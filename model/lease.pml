@@ -17,6 +17,13 @@
  *   NEWEST_START       newest/start.lua
  *   FENCED_SET         fences/fenced_set.lua (the resource a holder writes)
  *   EPOCH              epoch/epoch.lua, and the journal's recovery (worker/recovery.py)
+ *   (mark)             shared/common.lua `journaled`: PARK, JOIN and COALESCE (pending) add the
+ *                      journal mark of the call (its journal line's) in the same script, only when
+ *                      they make the run wait
+ *
+ * A run of the policy HOLD is hold() (hold.py): a holder that is not a task. It takes the key or
+ * gives up (LockHeld, wait=0), computes no result, and at its release sends the runs joined to it
+ * to run themselves (run/settle.py, rerun_joined) instead of answering them.
  *
  * Abstractions: time is an abstract clock: a lease expires by an event (the clock passing its
  * deadline), allowed when its holder died or paused (a live holder's heartbeat renews in time);
@@ -48,7 +55,17 @@
  *   NO_REPLACE       COALESCE leaves the pending run it replaces in the queue (P7)
  *   NO_ADOPTED       ACQUIRE forgets which parked runs adopted their slot (P5: a copy runs again)
  *   NO_ONE_RESERVATION a hand-on reserves a second slot for a run whose reservation ran out
- *                    (P5: each copy of its message adopts one, the run runs twice)
+ *                    (P5: each copy of its message adopts one, the run runs twice); checked with
+ *                    NO_ADOPTED_FIRST, as ACQUIRE's taken_before (also before it adopts a
+ *                    reservation, and holds_elsewhere: lease/acquire.lua:42-45) covers it too
+ *   NO_ADOPTED_FIRST ACQUIRE looks at taken_before only when no reservation is there to adopt
+ *   NO_MARKS         the recovery ignores the journal marks and trusts the epoch alone
+ *                    (worker/recovery.py:242-252 Recovery._lost; shared/common.lua `journaled`)
+ *                    (P4: a restore from a snapshot taken after a worker's last epoch look loses
+ *                    the runs it parked since: the open defect the configuration restore showed)
+ *
+ * A journal mark is a token: the hand-off token of a PARK or COALESCE, the delivery's token for a
+ * JOIN (one wait each); a run's journal line (jnl, lmark) is its last wait's.
  */
 
 #ifndef SLOTS
@@ -88,6 +105,7 @@
 #define SUPERSEDE 4
 #define SKIP 5
 #define RETRY 6
+#define HOLD 7
 #ifndef P0
 #define P0 QUEUE
 #endif
@@ -144,6 +162,7 @@ typedef Redis {
   byte adopted[NTOK]; /* ADOPTED: hand-off token -> fence of the run that adopted its slot (0: none) */
   byte latest;        /* newest book 'latest': stamp of the latest-sent pending or started run */
   byte owed[RUNS];    /* newest book 'o:<id>': runs replaced by id, not answered yet */
+  int marks;          /* 'journaled': the journal marks of runs that began to wait (a bit per token) */
   bit life;           /* the epoch: life and count */
   byte count;
 }
@@ -173,9 +192,20 @@ byte losses = LOSSES, deaths = DEATHS, pauses = PAUSES, slow = SLOW, restores = 
 bit restored;
 byte lastpark[RUNS];      /* the hand-off token of the run's last park (its journal line has it) */
 byte owes[RUNS];          /* a joined run taken by a release: that release's token, until it answers */
-bit jnl[RUNS];
+bit jnl[RUNS];            /* the journal of the worker node that parked, joined or made it pending */
+#if RESTORES > 0
+byte lmark[RUNS];         /* the mark its journal line carries */
+/* a script that makes a run wait adds its call's journal mark; the line written after it carries it */
+#define MARK(t) R.marks = R.marks | (1 << (t))
+#define LINE(r, t) jnl[r] = 1; lmark[r] = t
+#else                     /* Redis keeps its data: every mark stays until its line goes (not modelled) */
+#define MARK(t) skip
+#define LINE(r, t) jnl[r] = 1
+#endif
+#ifdef NO_MARKS
 bit late[RUNS];           /* its journal line was written within LATE_LINE_GRACE after a loss */
-bit lossseen;             /* the recovery saw a loss (it remembers when) */            /* the journal of the worker node that parked, joined or made it pending */
+bit lossseen;             /* the recovery saw a loss (it remembers when) */
+#endif
 bit seenlife;             /* the journal's worker: epoch at its last look */
 byte seencount;
 #if RESTORES > 0
@@ -242,6 +272,14 @@ inline QREMOVE(r) {
   od
 }
 
+/* ACQUIRE looks at taken_before also when a reservation is there to adopt (NO_ADOPTED_FIRST: only
+   when none is) */
+#ifndef NO_ADOPTED_FIRST
+#define TAKEN_BEFORE_LOOKED 1
+#else
+#define TAKEN_BEFORE_LOOKED (!adopting)
+#endif
+
 /* ACQUIRE (acquire.lua). In: me (token), r (task id), h (hand-off token or 0).
    Out: rep; fence, slot (ACQUIRED); other (HANDED_ON: the run to send, or NOBODY) */
 inline ACQUIRE(me, r, h, rep, fence, slot, other) {
@@ -264,7 +302,7 @@ inline ACQUIRE(me, r, h, rep, fence, slot, other) {
        }
 #ifndef NO_ADOPTED
        if
-       :: !adopting && R.adopted[h] != 0 ->     /* taken_before */
+       :: TAKEN_BEFORE_LOOKED && R.adopted[h] != 0 ->     /* taken_before (lease/lease.lua holds_elsewhere) */
           tmp = 1;
           for (i : 0 .. SLOTS - 1) {
             if
@@ -272,6 +310,10 @@ inline ACQUIRE(me, r, h, rep, fence, slot, other) {
             :: R.s[i].tok != 0 && !R.s[i].res && R.s[i].fence == R.adopted[h] -> tmp = 0   /* a reservation carries the fence before it */
             :: else -> skip
             fi
+          }
+          /* or, adopting a reservation, that lease still holds another slot */
+          for (i : 0 .. SLOTS - 1) {
+            if :: adopting && i != fs && LIVE(i) && !R.s[i].res && R.s[i].fence == R.adopted[h] -> tmp = 1 :: else -> skip fi
           }
           if :: tmp -> rep = ADOPTED :: else -> skip fi
        :: else -> skip
@@ -409,7 +451,7 @@ inline PARK(r, t, rep) {
        if
        :: !tmp -> rep = FREE
        :: else ->
-          R.q[R.qlen] = t; R.qlen++; R.ptok[r] = t;
+          R.q[R.qlen] = t; R.qlen++; R.ptok[r] = t; MARK(t);
           for (i : 0 .. SLOTS - 1) { R.s[i].waiting = 1 }
           rep = PARKED
        fi
@@ -417,8 +459,8 @@ inline PARK(r, t, rep) {
   }
 }
 
-/* JOIN (join.lua; one slot) */
-inline JOIN_(r, rep) {
+/* JOIN (join.lua; one slot); mk: the journal mark */
+inline JOIN_(r, mk, rep) {
   d_step {
     busy = 0;
     for (i : 0 .. RUNS - 1) { if :: i < R.jlen && R.j[i] == r -> busy = 1 :: else -> skip fi }
@@ -427,7 +469,7 @@ inline JOIN_(r, rep) {
     if
     :: !LIVE(0) && !busy -> rep = FREE
     :: else ->
-       if :: !busy -> R.j[R.jlen] = r; R.jlen++ :: else -> skip fi;
+       if :: !busy -> R.j[R.jlen] = r; R.jlen++; MARK(mk) :: else -> skip fi;
        if :: LIVE(0) -> R.s[0].joined = 1 :: else -> skip fi;
        rep = JOINED
     fi
@@ -469,7 +511,7 @@ inline COALESCE_(r, t, sup_mode, rep, replaced) {
           :: else -> skip
           fi;
           assert(r + 1 >= R.latest);   /* P7: only the latest-sent run becomes pending */
-          R.q[R.qlen] = t; R.qlen++; R.ptok[r] = t; R.latest = r + 1;
+          R.q[R.qlen] = t; R.qlen++; R.ptok[r] = t; R.latest = r + 1; MARK(t);
           for (i : 0 .. SLOTS - 1) {
             R.s[i].waiting = 1;
             if :: sup_mode -> R.s[i].sup = 1 :: else -> skip fi
@@ -587,7 +629,7 @@ acquire: skip;
   fi;
 duplicate: skip;
   if
-  :: POLICY(r) == SKIP -> out[r] = O_TURNED; goto done
+  :: POLICY(r) == SKIP || POLICY(r) == HOLD -> out[r] = O_TURNED; goto done   /* a hold: LockHeld (wait=0) */
   :: POLICY(r) == RETRY ->
      atomic {
        if
@@ -602,14 +644,14 @@ duplicate: skip;
      if :: atomic { losses > 0 -> losses--; PARK(r, ht, rep); printf("run %d: PARK again (reply lost) -> %e\n", r, rep) } :: skip fi;
      if
      :: rep == FREE -> goto acquire
-     :: else -> jnl[r] = 1; goto done   /* its journal line, after it parked */
+     :: else -> d_step { LINE(r, ht) }; goto done   /* its journal line, after it parked */
      fi
   :: POLICY(r) == JOIN ->
-     atomic { WAITS(r); JOIN_(r, rep); printf("run %d: JOIN -> %e\n", r, rep) }
-     if :: atomic { losses > 0 -> losses--; JOIN_(r, rep); printf("run %d: JOIN again (reply lost) -> %e\n", r, rep) } :: skip fi;
+     atomic { WAITS(r); JOIN_(r, me, rep); printf("run %d: JOIN -> %e\n", r, rep) }
+     if :: atomic { losses > 0 -> losses--; JOIN_(r, me, rep); printf("run %d: JOIN again (reply lost) -> %e\n", r, rep) } :: skip fi;
      if
      :: rep == FREE -> goto acquire
-     :: else -> jnl[r] = 1; goto done   /* its journal line, after it parked */
+     :: else -> d_step { LINE(r, me) }; goto done   /* its journal line, after it joined */
      fi
   :: POLICY(r) == COALESCE || POLICY(r) == SUPERSEDE ->
      atomic { NEWTOKEN(ht, r); lastpark[r] = ht; WAITS(r); COALESCE_(r, ht, POLICY(r) == SUPERSEDE, rep, answered);
@@ -623,7 +665,7 @@ duplicate: skip;
      :: rep == FREE -> goto acquire
      :: rep == GIVES_WAY -> out[r] = O_TURNED; goto done
      :: rep == PENDING ->
-        jnl[r] = 1;
+        d_step { LINE(r, ht) };
         if :: DIE(skip) :: skip fi;
         ANSWER_REPLACED(r, answered); goto done
      fi
@@ -694,10 +736,26 @@ release: skip;
   if :: DIE(skip) :: skip fi;
   atomic {
     SEND(other);
-    for (i : 0 .. RUNS - 1) {
-      if :: (answered & BIT(i)) != 0 && !TERMINAL(out[i]) -> out[i] = O_ANSWERED :: else -> skip fi;
-      if :: (answered & BIT(i)) != 0 -> owes[i] = 0 :: else -> skip fi
-    }
+    if
+    :: POLICY(r) == HOLD ->
+       /* a hold computes no result: the runs joined to it are sent to run themselves, each with a
+          rejoin header (a new message, which no release's ANSWERED mark names) */
+       steps = 0;
+       do
+       :: steps < RUNS && (answered & BIT(steps)) != 0 ->
+          owes[steps] = 0;
+          for (k : 0 .. NTOK - 1) { R.settled[k] = R.settled[k] & ~BIT(steps); S.settled[k] = S.settled[k] & ~BIT(steps) }
+          printf("  the hold sends joined run %d to run itself\n", steps);
+          run Run(steps, 0, 0); steps++
+       :: steps < RUNS && (answered & BIT(steps)) == 0 -> steps++
+       :: else -> break
+       od
+    :: else ->
+       for (i : 0 .. RUNS - 1) {
+         if :: (answered & BIT(i)) != 0 && !TERMINAL(out[i]) -> out[i] = O_ANSWERED :: else -> skip fi;
+         if :: (answered & BIT(i)) != 0 -> owes[i] = 0 :: else -> skip fi
+       }
+    fi
   }
 done: skip;
   d_step { me = 0; ht = 0; fence = 0; slot = 0; other = 0; answered = 0; learned = 0; steps = 0; rep = 0 }
@@ -745,7 +803,7 @@ end:
 
 proctype Sweeper() {
   byte call, other, answered, r;
-  bit lost;
+  bit lost, gone_with;   /* the epoch says data was lost; a run's wait was lost with the data */
 end:
   do
   :: atomic { CAN_RESUME -> NEWTOKEN(call, NOBODY) };
@@ -807,16 +865,28 @@ end:
        printf("recovery: looks at the epoch\n");
        R.count++;
        lost = (R.life != seenlife || R.count <= seencount);
+#ifdef NO_MARKS
        if :: lost -> lossseen = 1 :: else -> skip fi;
+#endif
        seenlife = R.life; seencount = R.count;
        r = 0;
        do
        :: r < RUNS ->
           if
           :: UNSETTLED(r) ->
-             jnl[r] = 0; printf("recovery: run %d no longer waits in Redis (data lost: %d)\n", r, lost);
+             jnl[r] = 0;
+#if !defined(NO_MARKS) && RESTORES > 0
+             /* its mark tells, whatever the epoch says: there, the run was handed on (the mark
+                goes with the line); gone, Redis lost the data it waited in */
+             gone_with = ((R.marks & (1 << lmark[r])) == 0); R.marks = R.marks & ~(1 << lmark[r]); lmark[r] = 0;
+#elif RESTORES == 0
+             gone_with = 0;   /* Redis keeps its data: the mark is there, and the epoch says intact */
+#else
+             gone_with = (lost || (lossseen && late[r]));
+#endif
+             printf("recovery: run %d no longer waits in Redis (epoch says lost: %d; lost: %d)\n", r, lost, gone_with);
              if
-             :: (lost || (lossseen && late[r])) && out[r] == O_WAITING -> run Run(r, lastpark[r], 1)
+             :: gone_with && out[r] == O_WAITING -> run Run(r, lastpark[r], 1)
              :: else -> skip
              fi
           :: else -> skip
@@ -824,7 +894,7 @@ end:
           r++
        :: else -> break
        od;
-       lost = 0; r = 0
+       lost = 0; r = 0; gone_with = 0
      }
   od
 }
@@ -841,7 +911,7 @@ inline COPY_DB(to, from) {
   }
   for (i : 0 .. NTOK - 1) { to.settled[i] = from.settled[i]; to.adopted[i] = from.adopted[i]; to.taken[i] = from.taken[i] }
   to.qlen = from.qlen; to.jlen = from.jlen; to.latest = from.latest;
-  to.life = from.life; to.count = from.count
+  to.life = from.life; to.count = from.count; to.marks = from.marks
 }
 
 inline EMPTY_DB() {
@@ -851,7 +921,7 @@ inline EMPTY_DB() {
   }
   for (i : 0 .. RUNS - 1) { R.q[i] = 0; R.j[i] = 0; R.ptok[i] = 0; R.owed[i] = 0 }
   for (i : 0 .. NTOK - 1) { R.settled[i] = 0; R.adopted[i] = 0; R.taken[i] = 0 }
-  R.qlen = 0; R.jlen = 0; R.latest = 0; R.count = 0
+  R.qlen = 0; R.jlen = 0; R.latest = 0; R.count = 0; R.marks = 0
 }
 
 /* a run in its body when Redis lost its data lost its lease as if it ran out: it may run again
@@ -859,8 +929,10 @@ inline EMPTY_DB() {
 inline LEASES_GONE() {
   for (i : 0 .. RUNS - 1) {
     if :: inbody[i] || out[i] == O_RUNNING -> ranout[i] = 1 :: else -> skip fi;
+#ifdef NO_MARKS
     /* waiting, its journal line not written yet: written after the loss, within the grace */
     if :: out[i] == O_WAITING && !jnl[i] -> late[i] = 1 :: else -> skip fi
+#endif
   }
 }
 
