@@ -2,8 +2,9 @@
 
 Two places find such runs: the sweeper's look at a run that waited before it started
 (:mod:`..policies.lostruns`), and every script that takes, hands on or reserves a slot whose
-lease ran out unreleased: it names that holder in its reply (ACQUIRE, RESUME, FAIR_ENTER), and
-:func:`~.settle.settle` ends it, whichever path called the script. A run whose worker merely froze
+lease ran out unreleased on a key runs waited on: it names that holder in its reply (ACQUIRE,
+RESUME, FAIR_ENTER), and :func:`~.settle.settle` ends it, whichever path called the script (a
+holder nobody waited on may only have frozen: its own end stands). A run whose worker merely froze
 past its TTL and later finishes overwrites that FAILURE with its own result.
 """
 

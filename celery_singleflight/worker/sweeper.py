@@ -94,7 +94,6 @@ class HandOn(Sweep):
         sent = 0
         for key in self.store.handoff.due_waiting():
             slots = self.slots_of(key)
-            self._unanswered(key)
             for _ in range(slots):  # each look hands on one free slot: as many looks as are free
                 try:
                     found = self.store.handoff.resume(key, self.ttl, slots)
@@ -115,6 +114,7 @@ class HandOn(Sweep):
                 if found.handoff is None:
                     break
                 self._orphans(key)
+            self._unanswered(key)  # after RESUME: a key with nothing waiting left the index
         return sent
 
     def slots_of(self, key: str) -> int:

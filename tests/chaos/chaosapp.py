@@ -44,9 +44,11 @@ def _transport_options() -> dict[str, Any]:
     if not visibility:
         return {}
     # kombu sweeps unacknowledged messages every 10 s and scans on every 10th sweep only; a short
-    # visibility timeout is only useful with a sweep that runs every second
+    # visibility timeout is only useful with a sweep that runs every second. Each sweep holds a
+    # mutex in the broker that outlives a worker killed while holding it for
+    # unacked_mutex_expire (5 min by default): no other worker restores anything meanwhile
     return {"visibility_timeout": float(visibility), "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1}
+            "unacked_restore_throttle": 1, "unacked_mutex_expire": 5}
 
 
 app = Celery("chaosapp", broker=f"{BASE}/0", backend=f"{BASE}/1")

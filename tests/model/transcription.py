@@ -70,6 +70,9 @@ class Held:
     sup_by: str | None = None
     handoff: str = ""
     dead: str | None = None
+    #: runs waited on it (its record flagged ``waiting`` or ``joined``): should it die, whoever
+    #: takes its slot names it (a holder nobody waited on may only have frozen)
+    waited: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,11 @@ class Model:
         if isinstance(prev, Held) and prev.expired and prev.run != run:
             return prev.run
         return None
+
+    def _waited_on(self) -> None:
+        """A run begins to wait on the key: every holder's record is flagged (PARK, COALESCE, JOIN)."""
+        st = self.store
+        st.slots[:] = [replace(s, waited=True) if isinstance(s, Held) else s for s in st.slots]
 
     def _journal(self, mark: str) -> None:
         """A run begins to wait on the key: its journal line's mark is kept ('' : none)."""
@@ -310,8 +318,11 @@ class Model:
             sup_by = prev.sup_by  # superseded on its way: it starts superseded
         else:
             self._lose(prev)
-            dead = self._dead(prev, run)
-        st.slots[slot] = Held(run, token, None, sup_by=sup_by, handoff=handoff, dead=dead)
+            # a plain take names a dead holder only if runs waited on it, or the taker was parked
+            waited_on = handoff or (isinstance(prev, Held) and prev.waited)
+            dead = self._dead(prev, run) if waited_on else None
+        waited = bool(st.queue) or (isinstance(prev, Held) and prev.waited and bool(st.joined))
+        st.slots[slot] = Held(run, token, None, sup_by=sup_by, handoff=handoff, dead=dead, waited=waited)
         return ("ACQUIRED", slot, dead)
 
     def grant(self, slot: int, fence: int) -> None:
@@ -384,6 +395,7 @@ class Model:
                 st.queue.append((run, token))
             st.parked[run] = message
             self._journal(mark)
+        self._waited_on()
         return ("PARKED", 1 if own else len(st.queue))
 
     def join(self, message: str, mark: str = "") -> Reply:
@@ -396,6 +408,7 @@ class Model:
         if message not in st.joined:
             st.joined.append(message)
             self._journal(mark)
+        self._waited_on()
         return ("JOINED", len(st.joined))
 
     def coalesce(self, run: str, token: str, message: str, mode: str, stamp: int, mark: str = "") -> Reply:
@@ -431,6 +444,7 @@ class Model:
         self._journal(mark)
         st.stamps[run] = stamp
         st.latest = (stamp, run)
+        self._waited_on()
         if mode == "supersede":
             for i, s in enumerate(st.slots):
                 if isinstance(s, Held | Reserved):

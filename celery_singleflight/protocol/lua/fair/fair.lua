@@ -7,7 +7,8 @@ local function fmt(x)
 end
 -- Reserve free ``slot`` (its record ``prev``) for the run ``id`` whose token is ``token``, as a
 -- hand-off does: the run adopts it when it takes the gate (ACQUIRE with that token). A holder
--- that died there is named in the reservation (the caller ends its run; a replay names it again).
+-- that died there with runs waiting at the gate is named in the reservation (the caller ends its
+-- run; a replay names it again).
 local function reserve(slot, prev, token, id, now, ttl, keep)
   local res = {v = PROTOCOL, token = token, task_id = id, reserved = '1', by = FAIR_BY, since = num(now),
     deadline = num(now + ttl), state = 'handing-off'}
@@ -16,7 +17,7 @@ local function reserve(slot, prev, token, id, now, ttl, keep)
     res.prev_task_id, res.prev_outcome = previous(prev, now)
     if expired(prev, now) then
       res.lost = add_lost(prev.lost, prev.fence)
-      if prev.task_id ~= id then
+      if prev.task_id ~= id and prev.waiting then
         res.prev_worker, res.prev_task_name = prev.worker or '', prev.task_name or ''
       end
     end

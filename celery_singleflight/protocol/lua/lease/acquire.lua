@@ -95,7 +95,7 @@ if handoff ~= '' then
   redis.call('ZADD', adopted, fence, handoff)
   redis.call('PEXPIRE', adopted, ADOPTED_KEEP_MS)
 end
-local extra, lost, carried, dead = carried_over(prev, now, adopting, marker, id)
+local extra, lost, carried, dead = carried_over(prev, now, adopting, marker, id, handoff ~= '')
 if waiting then
   extra = extra .. WAITING_FLAG
 end

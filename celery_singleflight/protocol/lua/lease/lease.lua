@@ -28,10 +28,11 @@ local function holds_elsewhere(adopted, handoff, recs, n, slot, now)
 end
 -- ACQUIRE: what a slot's new record carries of its previous one ``prev``: who ran before and how
 -- it ended (and the joined flag), the fences of lost leases (a dead holder's added), and a
--- supersede a parked run learnt on its way (``adopting``); and the dead holder it replaces, if
--- any and not the taking run ``id`` itself (its lease ran out unreleased: the caller ends its
--- run; a replay names it again)
-local function carried_over(prev, now, adopting, marker, id)
+-- supersede a parked run learnt on its way (``adopting``); and the dead holder it replaces (its
+-- lease ran out unreleased: the caller ends its run; a replay names it again), if runs waited on
+-- it (flagged, or the taker was parked: ``waited``) and it is not the taking run ``id`` itself (a
+-- holder nobody waited on may only have frozen; its own end stands)
+local function carried_over(prev, now, adopting, marker, id, waited)
   local extra, lost, carried, dead = '', '', '', false
   if prev then
     local prev_id, prev_outcome = previous(prev, now)
@@ -42,7 +43,7 @@ local function carried_over(prev, now, adopting, marker, id)
     if expired(prev, now) and not adopting then
       lost = add_lost(lost, prev.fence)
       forget_dead(marker, prev)
-      if prev.task_id ~= id then
+      if prev.task_id ~= id and (prev.waiting or prev.joined or waited) then
         dead = prev
         extra = extra .. ',"prev_worker":' .. cjson.encode(prev.worker or '') .. ',"prev_task_name":' ..
           cjson.encode(prev.task_name or '')
