@@ -70,9 +70,11 @@ class Held:
     sup_by: str | None = None
     handoff: str = ""
     dead: str | None = None
-    #: runs waited on it (its record flagged ``waiting`` or ``joined``): should it die, whoever
-    #: takes its slot names it (a holder nobody waited on may only have frozen)
-    waited: bool = False
+    #: its record's flags: runs wait in the key's queue (``waiting``), runs joined it (``joined``);
+    #: should it die, a plain take of its slot names it only with one of them (a holder nobody
+    #: waited on may only have frozen)
+    waiting: bool = False
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Reserved:
     sup_by: str | None = None
     fence: int | None = None
     dead: str | None = None
+    joined: bool = False  # its record's joined flag, passed on from the record it replaced
 
 
 @dataclass(frozen=True)
@@ -191,9 +194,14 @@ class Model:
         return None
 
     def _waited_on(self) -> None:
-        """A run begins to wait on the key: every holder's record is flagged (PARK, COALESCE, JOIN)."""
+        """A run parks, or is the pending one: every holder's record is flagged ``waiting`` (PARK,
+        COALESCE; a reservation always is)."""
         st = self.store
-        st.slots[:] = [replace(s, waited=True) if isinstance(s, Held) else s for s in st.slots]
+        st.slots[:] = [replace(s, waiting=True) if isinstance(s, Held) else s for s in st.slots]
+
+    @staticmethod
+    def _joined_flag(prev: Slot) -> bool:
+        return isinstance(prev, Held | Reserved) and prev.joined
 
     def _journal(self, mark: str) -> None:
         """A run begins to wait on the key: its journal line's mark is kept ('' : none)."""
@@ -225,7 +233,7 @@ class Model:
                 prev = st.slots[slot]
                 self._lose(prev)
                 st.slots[slot] = Reserved(run, token, by, fence=self._carried_fence(prev),
-                                          dead=self._dead(prev, run))
+                                          dead=self._dead(prev, run), joined=self._joined_flag(prev))
                 return st.parked[run]
             st.queue.remove(entry)
         return None
@@ -319,10 +327,10 @@ class Model:
         else:
             self._lose(prev)
             # a plain take names a dead holder only if runs waited on it, or the taker was parked
-            waited_on = handoff or (isinstance(prev, Held) and prev.waited)
+            waited_on = handoff or (isinstance(prev, Held) and (prev.waiting or prev.joined))
             dead = self._dead(prev, run) if waited_on else None
-        waited = bool(st.queue) or (isinstance(prev, Held) and prev.waited and bool(st.joined))
-        st.slots[slot] = Held(run, token, None, sup_by=sup_by, handoff=handoff, dead=dead, waited=waited)
+        st.slots[slot] = Held(run, token, None, sup_by=sup_by, handoff=handoff, dead=dead,
+                              waiting=bool(st.queue), joined=self._joined_flag(prev))
         return ("ACQUIRED", slot, dead)
 
     def grant(self, slot: int, fence: int) -> None:
@@ -408,7 +416,8 @@ class Model:
         if message not in st.joined:
             st.joined.append(message)
             self._journal(mark)
-        self._waited_on()
+        if isinstance(st.slots[0], Held | Reserved):  # live: its record is flagged joined
+            st.slots[0] = replace(st.slots[0], joined=True)
         return ("JOINED", len(st.joined))
 
     def coalesce(self, run: str, token: str, message: str, mode: str, stamp: int, mark: str = "") -> Reply:
@@ -486,6 +495,8 @@ class Model:
         joined: tuple[str, ...] = ()
         if slot == 0 and st.joined:
             joined = self._take_joined(call)
+        if slot == 0 and isinstance(st.slots[0], Held | Reserved):  # RESUME clears slot 1's joined flag
+            st.slots[0] = replace(st.slots[0], joined=False)
         message = self._hand_off(slot, call)
         if message is None and not joined:
             return ("ALL_HELD",)
