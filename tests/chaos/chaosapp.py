@@ -415,6 +415,14 @@ def nl_rate(self, key, n, seconds=0.05):
     return _nl_body(self, n, seconds, per_slot=True, planned=getattr(self.request, PLANNED_ATTR, None))
 
 
+@app.task(bind=True, base=SingleFlightTask, name="chaos.dc_rate", lock_key="dc:r:<key>", on_duplicate="queue",
+          key_rate_limit="2/s", max_concurrency=8)
+def dc_rate(self, key, n, seconds=0.05):
+    """As ``nl_rate`` at half the rate: a burst of 8 waits up to 3.5 s, time for a worker to note
+    every copy it holds before it is killed (tests/chaos/test_delayed_copies.py)."""
+    return _nl_body(self, n, seconds, per_slot=True, planned=getattr(self.request, PLANNED_ATTR, None))
+
+
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_fair", lock_key="nl:f:<key>:<n>",
           fair_key="<tenant>", fair_concurrency=2)
 def nl_fair(self, key, n, seconds=0.1, tenant="t0", until=None):

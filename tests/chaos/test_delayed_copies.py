@@ -3,8 +3,10 @@ by the other worker's sweeper once the killed worker is seen gone, each run runs
 the broker gives the killed worker's messages back (visibility timeout) they are dropped as stale.
 
 Worker A alone receives the runs, so A holds every countdown message (and says so in Redis);
-then B starts and A's whole process group is SIGKILLed. The Redis broker's visibility timeout is
-8 s here, so the original messages come back within the test.
+then A's whole process group is SIGKILLed and B, started beforehand on an idle queue (a worker
+takes seconds to start, longer than the runs' delays), starts consuming theirs.
+The Redis broker's visibility timeout is 8 s here, so the original messages come back within
+the test.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ VISIBILITY = 8.0
 
 
 def _copies(chaos: ModuleType, key: str) -> dict[str, Any]:
-    store = chaos.nl_rate.store
-    raw = store.client.hgetall(store.layout.delayed(chaos.nl_rate.render_key(key, 0)))
+    store = chaos.dc_rate.store
+    raw = store.client.hgetall(store.layout.delayed(chaos.dc_rate.render_key(key, 0)))
     return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
@@ -35,17 +37,15 @@ def test_copies_of_a_dead_workers_delayed_runs_run_once(
     chaos: ModuleType, workers: Workers, queue: str
 ) -> None:
     env = {"CHAOS_TTL": "3", "CHAOS_VISIBILITY": str(VISIBILITY)}
-    first = workers.one(queue, env=env)
+    first, second = workers.start(workers.make(queue, env=env), workers.make(f"{queue}-idle", env=env))
     key = "dead-holder"
-    sent = [chaos.nl_rate.apply_async((key, n), {"seconds": 0.05}, queue=queue) for n in range(8)]
-    # 4/s with burst 1: one run now, seven delayed up to ~1.75 s; every copy noted as held by A
-    wait_for(lambda: len(_copies(chaos, key)) == 7
-             and all(any(w.startswith(f"{first.hostname}#") for w in (c.get("w") or {}).values())
-                     for c in _copies(chaos, key).values()),
-             timeout=20)
-    second = workers.start(workers.make(queue, env=env))[0]
+    sent = [chaos.dc_rate.apply_async((key, n), {"seconds": 0.05}, queue=queue) for n in range(8)]
+    # 2/s with burst 1: one run now, seven delayed up to 3.5 s. Once each of the eight ran or waits
+    # as a copy A noted holding, and at least four still wait, A is killed
+    wait_for(lambda: _held_by(chaos, key, first.hostname), timeout=20)
     first.kill()
     killed = time.time()
+    assert chaos.app.control.add_consumer(queue, destination=[second.hostname], reply=True, timeout=5)
     try:
         lost = _wait_terminal(sent, timeout=30)
     except AssertionError:  # say which runs did not end, and what Redis still holds for them
@@ -57,13 +57,19 @@ def test_copies_of_a_dead_workers_delayed_runs_run_once(
     finished = sorted(int(r["n"]) for r in runs(chaos) if r["end"] is not None)  # every slot of the key
     assert finished == sorted(n for n in range(8) if sent[n].id not in lost), finished  # each ran once
     # the copies went once A was seen gone: its last sweep + WORKER_GONE_AFTER + a sweep, at most
-    assert done < 1.75 + constants.WORKER_GONE_AFTER + 2 * constants.SWEEP_INTERVAL + 3.0, done
+    assert done < 3.5 + constants.WORKER_GONE_AFTER + 2 * constants.SWEEP_INTERVAL + 3.0, done
     # A's original messages come back after the visibility timeout (kombu restores them on its
     # own schedule, later under load): B drops them as stale, and none runs again
     wait_for(lambda: "another copy of this delayed run runs or ran" in second.log_path.read_text(),
              timeout=VISIBILITY + 30.0, interval=0.2)
     time.sleep(1.0)
     assert sorted(int(r["n"]) for r in runs(chaos) if r["end"] is not None) == finished
+
+
+def _held_by(chaos: ModuleType, key: str, hostname: str) -> bool:
+    waiting = [c for c in _copies(chaos, key).values() if not c.get("c")]
+    return (len(waiting) + len(runs(chaos)) >= 8 and len(waiting) >= 4
+            and all(any(w.startswith(f"{hostname}#") for w in (c.get("w") or {}).values()) for c in waiting))
 
 
 def _wait_terminal(sent: list[Any], timeout: float) -> set[str]:
