@@ -91,9 +91,10 @@ from celery_singleflight.protocol.record import RunRecord
 from celery_singleflight.protocol.replies import Acquired, Holder, Parked
 from celery_singleflight.protocol.store import SCRIPTS, USER_SCRIPTS, KeyLayout, LeaseStore
 from celery_singleflight.run.guard import Guard
-from celery_singleflight.testing import RedisServer
 
-from ..chaos.faultproxy import DROP_REPLY, FaultProxy
+from ..chaos.faultproxy import DROP_REPLY
+from .harness import Env, conformance_env, text
+from .harness import pick as pick_of
 from .transcription import Ended, Held, Model, Reply, Reserved, Slot, Store
 
 LONG = os.environ.get("SF_MODEL_PROFILE", "") == "long"
@@ -135,30 +136,10 @@ OUTCOMES = st.sampled_from(["succeeded", "succeeded", "failed"])
 
 # -- the Redis, the proxy, the clients ------------------------------------------------------------
 
-@dataclass
-class Env:
-    """The private Redis, the fault proxy in front of it, the scripts' client (through the
-    proxy, with redis-py's retries on as the library's clients have them, with a shorter
-    backoff) and a direct client for reads and faults."""
-
-    server: RedisServer
-    proxy: FaultProxy
-    client: redis.Redis
-    direct: redis.Redis
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with RedisServer() as server, FaultProxy(server.port) as proxy:
-        retry = AttemptClock(ExponentialBackoff(cap=0.002, base=0.001), constants.CLIENT_RETRIES)
-        client = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=constants.SOCKET_TIMEOUT,
-                             socket_connect_timeout=constants.CONNECT_TIMEOUT, retry=retry)
-        direct = server.client()
-        try:
-            yield Env(server, proxy, client, direct)
-        finally:
-            client.close()
-            direct.close()
+    with conformance_env() as made:
+        yield made
 
 
 # -- the client side: runs, attempts, what waits to be sent again ---------------------------------
@@ -278,16 +259,8 @@ class LeaseRef:
     layout: Layout
 
 
-def _pick(items: list[Any], pick: int) -> Any:
-    return items[pick % len(items)]
-
-
 def _run_of(message: str) -> str:
     return str(json.loads(message)["task_id"])
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @contextlib.contextmanager
@@ -562,7 +535,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 self._new_run(pick)
 
     def _new_run(self, pick: int) -> None:
-        run = Run(f"r{len(self.runs) + 1}", _pick(list(self.config.policies), pick), len(self.runs) + 1)
+        run = Run(f"r{len(self.runs) + 1}", pick_of(list(self.config.policies), pick), len(self.runs) + 1)
         self.runs[run.id] = run
         self.broker.append(run.message)
 
@@ -602,7 +575,7 @@ class LeaseMachine(RuleBasedStateMachine):
         """An attempt makes its next call (take, its duplicate policy, its start, a release
         that ends it without its body, forgetting the runs it replaced)."""
         with self._step():
-            a: Attempt = _pick(self._steppable(), pick)
+            a: Attempt = pick_of(self._steppable(), pick)
             {"acquire": self._acquire, "policy": self._policy, "start": self._start, "stop": self._stop,
              "answered": self._answered}[a.phase](a, fault)
 
@@ -835,7 +808,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def renew(self, pick: int, fault: str | None) -> None:
         """The heartbeat renews a holder's lease."""
         with self._step():
-            a: Attempt = _pick(self._running(), pick)
+            a: Attempt = pick_of(self._running(), pick)
 
             def real() -> Got:
                 code = self.store.renew([LeaseRef(KEY, a.token, a.slot, TTL, self.layout)])[0]
@@ -863,7 +836,7 @@ class LeaseMachine(RuleBasedStateMachine):
         """A holder writes the fenced resource with its fence (``fenced_set``); a refused write
         (StaleFence) ends its body."""
         with self._step():
-            a: Attempt = _pick(self._running(), pick)
+            a: Attempt = pick_of(self._running(), pick)
             newer = any(fence > a.fence for fence in self.writes)
 
             def predict() -> Reply:
@@ -890,7 +863,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def release(self, pick: int, outcome: str, fault: str | None, die: bool) -> None:
         """A holder's body ends: it releases (a superseded one as failed: Superseded)."""
         with self._step():
-            a: Attempt = _pick(self._running(), pick)
+            a: Attempt = pick_of(self._running(), pick)
             self._release(a, "failed" if a.superseded else outcome, fault, die=die, body=True)
 
     # -- the sweeper ------------------------------------------------------------------------------
@@ -993,7 +966,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def resend(self, pick: int) -> None:
         """redis-py sends a call again whose reply was lost."""
         with self._step():
-            self._resend(_pick(self._stashed(), pick))
+            self._resend(pick_of(self._stashed(), pick))
 
     def _expirable(self) -> list[int]:
         """Live slots whose lease may run out now: not one a lost reply's call is still about
@@ -1016,7 +989,7 @@ class LeaseMachine(RuleBasedStateMachine):
         """The clock passes a lease's (or a reservation's) deadline: its holder died, froze, or
         its message is slow."""
         with self._step():
-            slot = _pick(self._expirable(), pick)
+            slot = pick_of(self._expirable(), pick)
             self._expire(slot)
 
     def _expire(self, slot: int) -> None:
@@ -1049,7 +1022,7 @@ class LeaseMachine(RuleBasedStateMachine):
         """A worker process dies: its attempt makes no more calls (a lost reply is never sent
         again); a lease it holds runs out later, a message it was to send is never sent."""
         with self._step():
-            a: Attempt = _pick(self._active(), pick)
+            a: Attempt = pick_of(self._active(), pick)
             a.dead, a.stash = True, None
             self.deaths += 1
 
@@ -1126,19 +1099,19 @@ class LeaseMachine(RuleBasedStateMachine):
             "slots": [_slot(record, now) for record in records],
             "rt": [record.rt or None for record in records],
             "lost": {int(f) for record in records for f in record.lost.split(",") if f},
-            "queue": [tuple(_text(e).split("|", 1)) for e in queue],
-            "parked": {_text(k): _text(v) for k, v in parked.items()},
-            "joined": [_text(m) for m in joined],
-            "settled": {_text(k): tuple(json.loads(v)) for k, v in settled.items()
-                        if _text(k) != TAKEN and not _text(k).startswith(ANSWERED)},
-            "answered": {_text(k)[len(ANSWERED):]: _text(v) for k, v in settled.items()
-                         if _text(k).startswith(ANSWERED)},
+            "queue": [tuple(text(e).split("|", 1)) for e in queue],
+            "parked": {text(k): text(v) for k, v in parked.items()},
+            "joined": [text(m) for m in joined],
+            "settled": {text(k): tuple(json.loads(v)) for k, v in settled.items()
+                        if text(k) != TAKEN and not text(k).startswith(ANSWERED)},
+            "answered": {text(k)[len(ANSWERED):]: text(v) for k, v in settled.items()
+                         if text(k).startswith(ANSWERED)},
             "taken": {token: now - int(at) >= constants.ANSWER_GRACE * 1000
                       for token, at in json.loads(settled.get(TAKEN.encode(), b"{}")).items()},
-            "adopted": {_text(k): int(v) for k, v in adopted},
-            "book": {_text(k): _text(v) for k, v in book.items()},
+            "adopted": {text(k): int(v) for k, v in adopted},
+            "book": {text(k): text(v) for k, v in book.items()},
             "resource": None if resource is None else int(resource),
-            "journaled": {_text(mark) for mark in journaled},
+            "journaled": {text(mark) for mark in journaled},
         }
 
     def _expected(self) -> dict[str, Any]:
@@ -1507,12 +1480,9 @@ def test_a_take_again_after_a_hand_on_takes_the_free_slot(env: Env) -> None:
         _wipe(store)
 
 
-def test_a_parked_run_handed_two_slots_runs_once(store: LeaseStore) -> None:
-    """Given two slots held and a run parked, when the first holder's release hands its slot to the
-    parked run and that reservation runs out (the message is slow: a broker backlog longer than
-    the TTL), and the second holder's release hands its slot to the same run, then only one copy
-    of the run's message runs it: the first copy takes its slot and runs; the second is a copy
-    (ADOPTED), not a second run."""
+def _two_held_one_parked_first_handed_on(store: LeaseStore) -> tuple[Acquired, str]:
+    """Two slots of ``k`` held (by a and b), run c parked (hand-off token ``hc``), a's release
+    hands slot 0 to c: b's lease and token."""
     first_holder, second_holder = _token(), _token()
     one = store.acquire("k", first_holder, TTL, Holder("a"), slots=2)
     two = store.acquire("k", second_holder, TTL, Holder("b"), slots=2)
@@ -1520,6 +1490,16 @@ def test_a_parked_run_handed_two_slots_runs_once(store: LeaseStore) -> None:
     message = _parked_message("c", "hc")
     assert isinstance(store.handoff.park("k", "c", "hc", message, None, 2), Parked)
     assert store.release("k", first_holder, fence=one.fence, slot=0, slots=2, task_id="a").handoff == message
+    return two, second_holder
+
+
+def test_a_parked_run_handed_two_slots_runs_once(store: LeaseStore) -> None:
+    """Given two slots held and a run parked, when the first holder's release hands its slot to the
+    parked run and that reservation runs out (the message is slow: a broker backlog longer than
+    the TTL), and the second holder's release hands its slot to the same run, then only one copy
+    of the run's message runs it: the first copy takes its slot and runs; the second is a copy
+    (ADOPTED), not a second run."""
+    two, second_holder = _two_held_one_parked_first_handed_on(store)
     _run_out(store.client, store.layout.run("k", 0))
     store.release("k", second_holder, fence=two.fence, slot=1, slots=2, task_id="b")  # hands it on again
     ran = _token()
@@ -1628,13 +1608,7 @@ def test_a_copy_finding_a_second_reservation_for_its_token_is_a_copy(store: Leas
     key while the run still holds its slot, or after it released it, then the copy is ADOPTED
     (dropped): ACQUIRE asks whether the token was adopted before it adopts a reservation, so the
     run does not run twice."""
-    first_holder, second_holder = _token(), _token()
-    one = store.acquire("k", first_holder, TTL, Holder("a"), slots=2)
-    two = store.acquire("k", second_holder, TTL, Holder("b"), slots=2)
-    assert isinstance(one, Acquired) and isinstance(two, Acquired)
-    message = _parked_message("c", "hc")
-    assert isinstance(store.handoff.park("k", "c", "hc", message, None, 2), Parked)
-    assert store.release("k", first_holder, fence=one.fence, slot=0, slots=2, task_id="a").handoff == message
+    two, second_holder = _two_held_one_parked_first_handed_on(store)
     reservation = store.client.get(store.layout.run("k", 0))
     ran = _token()
     took = store.acquire("k", ran, TTL, Holder("c"), handoff="hc", slots=2)

@@ -71,7 +71,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-import redis
 from celery.exceptions import Ignore
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -83,10 +82,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from redis.backoff import ExponentialBackoff
 
 from celery_singleflight import constants
-from celery_singleflight.connection.clients import AttemptClock
 from celery_singleflight.protocol import delayed as delayed_calls
 from celery_singleflight.protocol.delayed import (
     CLAIM,
@@ -105,10 +102,11 @@ from celery_singleflight.protocol.journaled import JOURNALED
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run import delay as run_delay
 from celery_singleflight.run.messages import HEADER_DELAYED
-from celery_singleflight.testing import RedisServer
 
-from ..chaos.faultproxy import DROP_REPLY, FaultProxy
+from ..chaos.faultproxy import DROP_REPLY
 from .delayed_transcription import Model, Reply, claim_offset, since_offset
+from .harness import Env, conformance_env, text
+from .harness import pick as pick_of
 
 LONG = os.environ.get("SF_MODEL_PROFILE", "") == "long"
 TRACE = bool(os.environ.get("SF_MODEL_TRACE"))
@@ -136,28 +134,10 @@ BODIES = st.sampled_from(["succeed", "succeed", "retry"])
 
 # -- the Redis, the proxy, the clients ------------------------------------------------------------
 
-@dataclass
-class Env:
-    server: RedisServer
-    proxy: FaultProxy
-    client: redis.Redis
-    direct: redis.Redis
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    with RedisServer() as server, FaultProxy(server.port) as proxy:
-        retry = AttemptClock(ExponentialBackoff(cap=0.002, base=0.001), constants.CLIENT_RETRIES)
-        client = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=constants.SOCKET_TIMEOUT,
-                             socket_connect_timeout=constants.CONNECT_TIMEOUT, retry=retry)
-        direct = server.client()
-        for source in SOURCES.values():  # loaded: a dropped reply is then always a script that ran
-            direct.script_load(source)
-        try:
-            yield Env(server, proxy, client, direct)
-        finally:
-            client.close()
-            direct.close()
+    with conformance_env(SOURCES.values()) as made:
+        yield made
 
 
 # -- workers, messages, callers ----------------------------------------------------------------------
@@ -242,14 +222,6 @@ class Run:
     @property
     def terminal(self) -> bool:
         return self.state in ("SUCCESS", "FAILURE")
-
-
-def _pick(items: list[Any], pick: int) -> Any:
-    return items[pick % len(items)]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _listed(value: Any) -> list[str]:
@@ -520,7 +492,7 @@ class DelayedMachine(RuleBasedStateMachine):
         def decode(raw: Any) -> Reply:
             code = int(raw[0])
             if code == delayed_calls.ResendReply.RESEND:
-                return ("RESEND", _text(raw[1]), _text(raw[3]))
+                return ("RESEND", text(raw[1]), text(raw[3]))
             return (delayed_calls.ResendReply(code).name,)
 
         def real() -> Reply:
@@ -619,7 +591,7 @@ class DelayedMachine(RuleBasedStateMachine):
                 self._worker()
             for i in range(runs):
                 run = self.runs.setdefault(f"r{i + 1}", Run(f"r{i + 1}"))
-                ex = Exec(f"first-{run.id}", _pick(self._alive(), i), run=run.id, phase="delay")
+                ex = Exec(f"first-{run.id}", pick_of(self._alive(), i), run=run.id, phase="delay")
                 self.execs.append(ex)
                 self._delay(ex, fault if i == 0 else None, lambda ex=ex: setattr(ex, "over", True))
 
@@ -631,7 +603,7 @@ class DelayedMachine(RuleBasedStateMachine):
     def step(self, pick: int, fault: str | None, claimed: str, body: str, dies: bool) -> None:
         """A run's task makes its next call."""
         with self._step():
-            self._advance(_pick(self._steppable(), pick), fault, claimed, body, dies)
+            self._advance(pick_of(self._steppable(), pick), fault, claimed, body, dies)
 
     def _advance(self, ex: Exec, fault: str | None, claimed: str, body: str, dies: bool) -> None:
         run = self.runs[ex.run]
@@ -706,8 +678,8 @@ class DelayedMachine(RuleBasedStateMachine):
         """The broker delivers a message to a live worker, which holds it until its time; its
         noter says so at once (TOUCH), or later; or its time has come: it starts at once."""
         with self._step():
-            msg = _pick([m for m in self.messages if m.where == "broker"], pick)
-            msg.where, msg.worker, msg.noted = "held", _pick(self._alive(), to), False
+            msg = pick_of([m for m in self.messages if m.where == "broker"], pick)
+            msg.where, msg.worker, msg.noted = "held", pick_of(self._alive(), to), False
             noter = self.noters[msg.worker.name]
             if how == "start":
                 self._fire(msg, fault)
@@ -724,7 +696,7 @@ class DelayedMachine(RuleBasedStateMachine):
     def touch(self, pick: int, fault: str | None) -> None:
         """A worker's noter says it holds a message (TOUCH)."""
         with self._step():
-            msg = _pick([m for m in self._held(noted=False)
+            msg = pick_of([m for m in self._held(noted=False)
                          if self.noters[m.worker.name].stash is None], pick)  # type: ignore[union-attr]
             assert msg.worker is not None
             self._touch(self.noters[msg.worker.name], msg, fault)
@@ -734,7 +706,7 @@ class DelayedMachine(RuleBasedStateMachine):
     def fire(self, pick: int, fault: str | None) -> None:
         """A held message's time comes: its task starts and claims its run."""
         with self._step():
-            self._fire(_pick(self._held(), pick), fault)
+            self._fire(pick_of(self._held(), pick), fault)
 
     def _fire(self, msg: Message, fault: str | None) -> None:
         assert msg.worker is not None
@@ -756,9 +728,9 @@ class DelayedMachine(RuleBasedStateMachine):
         with self._step():
             lookable = self._lookable()
             if not lookable:
-                self._alive_list(_pick(self._alive(), pick))
+                self._alive_list(pick_of(self._alive(), pick))
                 return
-            sweeper, run = _pick(lookable, pick)
+            sweeper, run = pick_of(lookable, pick)
             e = self.model.entry(run)
             if later and e is not None and (e.claimed_at or e.m is not None):
                 self.model.age(run, (e.claim_age if e.claimed_at else e.age) + later)
@@ -778,7 +750,7 @@ class DelayedMachine(RuleBasedStateMachine):
         claim WORKER_GONE_AFTER, then DELAYED_CLAIM_PATIENCE old), or a dead worker's alive mark
         is WORKER_GONE_AFTER old."""
         with self._step():
-            found = _pick(self._agable(), pick)
+            found = pick_of(self._agable(), pick)
             if isinstance(found, Worker):
                 found.state = "gone"
                 return
@@ -796,7 +768,7 @@ class DelayedMachine(RuleBasedStateMachine):
         """A whole worker dies (SIGKILL): its calls in flight are never sent again, the messages
         it held or started come back after the visibility timeout."""
         with self._step():
-            self._die(_pick(self._alive(), pick))
+            self._die(pick_of(self._alive(), pick))
 
     def _die(self, w: Worker) -> None:
         self.deaths += 1
@@ -821,7 +793,7 @@ class DelayedMachine(RuleBasedStateMachine):
     def visibility_timeout(self, pick: int) -> None:
         """A message a dead worker held comes back from the broker (the visibility timeout)."""
         with self._step():
-            msg = _pick([m for m in self.messages if m.where == "lost"], pick)
+            msg = pick_of([m for m in self.messages if m.where == "lost"], pick)
             msg.where, msg.worker = "broker", None
             EVENTS["a message comes back late"] += 1
 
@@ -834,7 +806,7 @@ class DelayedMachine(RuleBasedStateMachine):
         """A claimant's pool process is killed (its worker lives on): the main process stores
         FAILURE (WorkerLostError) and acknowledges the message; its claim, if not done, stays."""
         with self._step():
-            ex = _pick(self._killable(), pick)
+            ex = pick_of(self._killable(), pick)
             self.deaths += 1
             ex.over, ex.stash = True, None
             if ex.body == "running":
@@ -855,7 +827,7 @@ class DelayedMachine(RuleBasedStateMachine):
     def send_again(self, pick: int) -> None:
         """A call whose reply was lost is sent again."""
         with self._step():
-            self._again(_pick(self._stashed(), pick))
+            self._again(pick_of(self._stashed(), pick))
 
     def _again(self, owner: Owner) -> None:
         stash = owner.stash
@@ -877,15 +849,15 @@ class DelayedMachine(RuleBasedStateMachine):
         for run, raw in entries.items():
             e = json.loads(raw)
             assert "h" not in e and "due" in e, e
-            found[_text(run)] = {
+            found[text(run)] = {
                 "t": e.get("t"), "ts": _listed(e.get("ts")), "old": _listed(e.get("old")), "m": e.get("m"),
                 "w": e.get("w") or None, "r": "r" in e, "sent": "sent" in e, "c": e.get("c"),
                 "o": e.get("o"), "lt": e.get("lt"), "ca": "ca" in e, "took": e.get("took"),
             }
-        members = [json.loads(_text(m)) for m in indexed]
+        members = [json.loads(text(m)) for m in indexed]
         assert all(key == KEY for key, _ in members), members
-        return {"entries": found, "ends": {_text(r) for r in ends},
-                "journaled": {_text(m) for m in journaled}, "indexed": {run for _, run in members}}
+        return {"entries": found, "ends": {text(r) for r in ends},
+                "journaled": {text(m) for m in journaled}, "indexed": {run for _, run in members}}
 
     def _expected(self) -> dict[str, Any]:
         st_ = self.model.store
