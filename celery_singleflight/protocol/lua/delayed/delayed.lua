@@ -14,22 +14,21 @@ local function keep_for(hash, ms)
     redis.call('PEXPIRE', hash, ms)
   end
 end
-local function has_token(e, token)
-  for _, t in ipairs(e.ts or {}) do
-    if t == token then
-      return true
-    end
-  end
-  return e.t == token
-end
--- a token of the run's earlier delays, or of a copy found stale or taken back
-local function is_old(e, token)
-  for _, t in ipairs(e.old or {}) do
+local function listed(tokens, token)
+  for _, t in ipairs(tokens or {}) do
     if t == token then
       return true
     end
   end
   return false
+end
+-- a token of this delay's copies
+local function has_token(e, token)
+  return e.t == token or listed(e.ts, token)
+end
+-- a token of the run's earlier delays, or of a copy found stale or taken back
+local function is_old(e, token)
+  return listed(e.old, token)
 end
 -- ``token`` is stale from now on: out of this delay's tokens, into the old ones (the last few)
 local function make_stale(e, token)
