@@ -432,6 +432,22 @@ class Fair:
         return max_at_once([r for r in runs(self.chaos) if r["name"] == self.task.name], deaths)
 
 
+def started_within(fair: Fair, result: AsyncResult, early: list[Case]) -> bool:
+    """Whether ``result``'s run starts within BOUND; the ``early`` cases are polled meanwhile
+    (their end times are taken as they come)."""
+
+    def started() -> bool:
+        for case in early:
+            case.poll()
+        return fair.started(result)
+
+    try:
+        wait_for(started, timeout=BOUND, interval=0.05)
+    except AssertionError:
+        return False
+    return True
+
+
 def parked(result: AsyncResult) -> bool:
     return bool(result.state == "QUEUED")
 
@@ -489,14 +505,7 @@ def test_a_fair_run_whose_worker_died_after_fair_enter_runs_once_and_frees_its_s
     if entered == "admitted":
         # the slot reserved for X must go to Y while A still holds the other one
         early = [Case("Y", y, fault_at)]
-
-        def y_started() -> bool:
-            early[0].poll()
-            return fair.started(y)
-
-        try:
-            wait_for(y_started, timeout=BOUND, interval=0.05)
-        except AssertionError:
+        if not started_within(fair, y, early):
             problems.append(f"the slot reserved for X was not handed on within {BOUND:.0f} s while A held"
                             f" the other: gate {fair.task.fair_status()}")
         released = time.time()
@@ -562,15 +571,8 @@ def test_a_fair_hand_on_lost_with_its_worker_is_handed_again(
     problems: list[str] = []
     p1 = next(r for r in p if r.id == first)
     early = [Case("holder A", a, fault_at), Case("P1 (handed on)", p1, fault_at)]
-
-    def p1_started() -> bool:
-        for case in early:
-            case.poll()
-        return fair.started(p1)
-
-    try:  # handed again while B still holds the other slot: the reservation's end, not B's release
-        wait_for(p1_started, timeout=BOUND, interval=0.05)
-    except AssertionError:
+    # handed again while B still holds the other slot: the reservation's end, not B's release
+    if not started_within(fair, p1, early):
         problems.append(f"the lost hand-on's slot was not handed again within {BOUND:.0f} s:"
                         f" gate {fair.task.fair_status()}")
     p1_started_at = time.time()
