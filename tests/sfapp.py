@@ -553,22 +553,25 @@ def ordered_idem(self, key, msg, n):
     return n
 
 
-def record_fair(tenant: str, n: int, seconds: float) -> None:
-    """Fair share: records each start (tenant, n, time) and the most runs at once, without the library."""
+def record_fair(tenant: str, n: int, seconds: float, until: str | None = None) -> None:
+    """Fair share: records each start (tenant, n, time) and the most runs at once, without the library.
+    ``until``: a recorder key that ends the run early once set (a test's own pace, not a guess)."""
     running = recorder.incr("fair:running")
     recorder.rpush("fair:max", running)
     recorder.rpush("fair:started", f"{tenant}:{n}:{time.time()}")
     try:
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (until and recorder.get(until)):
+            time.sleep(min(0.05, seconds))
     finally:
         recorder.decr("fair:running")
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="fj:<tenant>:<n>", fair_key="<tenant>",
           fair_concurrency=2, fair_weights={"double": 2.0})
-def fair_job(self, tenant, n, seconds=0.05):
+def fair_job(self, tenant, n, seconds=0.05, until=None):
     """Fair share across tenants: at most 2 at once, freed slots handed round robin by tenant."""
-    record_fair(tenant, n, seconds)
+    record_fair(tenant, n, seconds, until)
     return f"{tenant}:{n}"
 
 

@@ -100,7 +100,9 @@ def test_waiting_runs_are_queued_with_position_and_eta(
     """Waiting runs are QUEUED with their position; the gate's status and ``celery singleflight
     show`` list them live, in order, with their fair key."""
     q = start_worker(concurrency=4).queue  # type: ignore[operator]
-    first = [sfapp.fair_job.apply_async(("pos", n, 4.0), queue=q) for n in range(2)]
+    # the two holders run until the test has looked (30 s at most), however slow the CLI is
+    first = [sfapp.fair_job.apply_async(("pos", n, 30.0), {"until": "fair:pos:go"}, queue=q)
+             for n in range(2)]
     wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
     waiting = [sfapp.fair_job.apply_async(("pos", n, 0.01), queue=q) for n in range(2, 6)]
     wait_for(lambda: all(r.state == states.QUEUED for r in waiting), timeout=15)
@@ -116,6 +118,7 @@ def test_waiting_runs_are_queued_with_position_and_eta(
     assert [w["task_id"] for w in json.loads(shown.stdout)["waiting"]] == [r.id for r in waiting]
     text = run_cli(redis_server, "show", "fair:sfapp.fair_job").stdout
     assert f"1. {waiting[0].id} [pos]" in text
+    sfapp.recorder.set("fair:pos:go", "1")
     for r in [*first, *waiting]:
         r.get(timeout=30)
 
