@@ -28,12 +28,12 @@ from redis.exceptions import NoPermissionError, RedisClusterException
 from celery_singleflight import SingleFlightTask, force_release, hold
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.connection.targets import build_client, target_from_settings
-from celery_singleflight.ops.acl import CLUSTER_COMMANDS, acl_rule
+from celery_singleflight.ops.acl import CLUSTER_COMMANDS, acl_rule, connection_commands
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore, store_for
 from celery_singleflight.run.heartbeat import heartbeat_for
-from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing import RedisServer, WorkerProcess, binary_server_kind
 from celery_singleflight.testing.engines import RedisClusterServers
 from celery_singleflight.worker.preflight import preflight
 
@@ -131,7 +131,8 @@ def test_every_policy_progress_and_status_on_the_cluster(
     held = cli("show", "k:cl-held", "--json")
     assert held.returncode == 0 and json.loads(held.stdout)["task_id"] == sleeper.id, held.stderr
     acl = cli("acl")
-    assert acl.stdout.strip().endswith(" ".join(f"+{c}" for c in CLUSTER_COMMANDS))
+    handshake = connection_commands(binary_server_kind())
+    assert acl.stdout.strip().endswith(" ".join(f"+{c}" for c in (*CLUSTER_COMMANDS, *handshake)))
     released = cli("release", "k:cl-held", "--force")
     assert released.returncode == 0, released.stderr
     assert sleeper.id in released.stdout
@@ -239,11 +240,12 @@ def test_the_cluster_acl_rule_is_enough_and_each_cluster_command_is_needed(
             admin.execute_command("ACL", "SETUSER", "sf-cluster", *rule)
             admin.acl_log_reset()
 
-    set_rule(acl_rule("sf", "pw", cluster=True))
+    rule = acl_rule("sf", "pw", cluster=True, server=binary_server_kind())
+    set_rule(rule)
     _ops_as(url)
     assert [e for node in cluster.nodes for e in node.client().acl_log()] == []
     for needed in CLUSTER_COMMANDS:
-        set_rule([word for word in acl_rule("sf", "pw", cluster=True) if word != f"+{needed}"])
+        set_rule([word for word in rule if word != f"+{needed}"])
         with pytest.raises((RedisClusterException, NoPermissionError)):
             _ops_as(url)
 

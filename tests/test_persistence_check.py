@@ -8,6 +8,7 @@ append-only file. Private ``redis-server``s on free loopback ports, started here
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -20,13 +21,12 @@ from celery import Celery
 
 from celery_singleflight import SingleFlightTask
 from celery_singleflight.errors import ConfigurationError
-from celery_singleflight.testing import RedisServer, WorkerProcess
+from celery_singleflight.testing import RedisServer, WorkerProcess, binary_server_kind
 from celery_singleflight.worker.findings import Finding
 from celery_singleflight.worker.persistence import (
     Persistence,
     persistence_finding,
     read_persistence,
-    refused,
     waiting_runs,
 )
 from celery_singleflight.worker.preflight import preflight, run_at_worker_start
@@ -35,6 +35,7 @@ from .conftest import ROOT
 from .test_isolation import PASSWORD, acl_rule, denied
 
 SHOWN = "redis://127.0.0.1:6399/2"
+REFUSED = Persistence(None, unknown="CONFIG GET is refused to this user (NOPERM)")
 
 
 def app_with(lease_url: str, *, mode: str | None = None, waiting: bool = True, **conf: Any) -> Celery:
@@ -119,7 +120,11 @@ def test_waiting_runs_are_read_from_each_tasks_options() -> None:
         (Persistence(False, "everysec", "3600 1 300 100 60 10000"), "rdb", 3600, "at most the last 3600 s"),
         (Persistence(False, "everysec", "300 10"), "rdb", None, "fewer than 10 writes"),
         (Persistence(False, "everysec", ""), "none", None, "a restart loses everything"),
-        (refused(), "unknown", None, ""),
+        (Persistence(True, save=None, unread="CONFIG GET is not asked of ACL user u"), "aof", None,
+         "about the last second with everysec, the default"),
+        (Persistence(False, save=None, unread="CONFIG GET is not asked of ACL user u"), "no_aof", None,
+         "or everything when it takes none"),
+        (REFUSED, "unknown", None, ""),
     ],
 )
 def test_persistence_is_classified_with_what_a_crash_loses(found: Persistence, kind: str, age: int | None,
@@ -140,7 +145,8 @@ QUEUED = [_Task("t.queued", on_duplicate="queue"), _Task("t.plain")]
 
 
 @pytest.mark.parametrize("found", [Persistence(False, "everysec", ""),
-                                   Persistence(False, "everysec", "60 1")])
+                                   Persistence(False, "everysec", "60 1"),
+                                   Persistence(False, save=None, unread="CONFIG GET answered: unknown")])
 def test_without_aof_warn_warns_and_refuse_refuses_naming_tasks_and_fix(found: Persistence) -> None:
     warning = persistence_finding(SHOWN, QUEUED, found, "warn")
     refusal = persistence_finding(SHOWN, QUEUED, found, "refuse")
@@ -162,7 +168,7 @@ def test_aof_no_waiting_tasks_or_unknown_are_info_only(mode: str) -> None:
     assert "appendfsync everysec" in everysec.message and "t.queued" in everysec.message
     quiet = persistence_finding(SHOWN, [_Task("t.plain")], Persistence(False, "everysec", ""), mode)
     assert quiet is not None and quiet.level == logging.INFO and "no task keeps waiting runs" in quiet.message
-    unknown = persistence_finding(SHOWN, QUEUED, refused(), mode)
+    unknown = persistence_finding(SHOWN, QUEUED, REFUSED, mode)
     assert unknown is not None and unknown.level == logging.INFO
     assert "unknown (CONFIG GET is refused" in unknown.message and "appendonly yes" in unknown.message
 
@@ -181,12 +187,17 @@ def test_a_bad_mode_is_refused_naming_the_setting() -> None:
         ((), Persistence(False, "everysec", "")),
         (("--appendonly", "yes"), Persistence(True, "everysec", "")),
         (("--appendonly", "yes", "--appendfsync", "always"), Persistence(True, "always", "")),
-        (("--save", "60 1"), Persistence(False, "everysec", "60 1")),
+        (("--save", "60", "1"), Persistence(False, "everysec", "60 1")),  # Redis 6.2 takes no "60 1"
     ],
 )
 def test_config_get_reads_the_servers_persistence(extra: tuple[str, ...], expected: Persistence) -> None:
     with RedisServer(extra=extra) as server:
         assert read_persistence(server.client()) == expected
+        info = server.client().info()
+        assert read_persistence(server.client(), info) == expected  # CONFIG's details over INFO's
+        unread = "CONFIG GET is not asked of ACL user u"
+        assert read_persistence(server.client(), info, ask_config=False, unread=unread) == Persistence(
+            expected.appendonly, save=None, unread=unread)
 
 
 def test_the_start_checks_warn_refuse_or_stay_silent_as_the_setting_says(no_aof: RedisServer,
@@ -205,27 +216,54 @@ def test_the_start_checks_warn_refuse_or_stay_silent_as_the_setting_says(no_aof:
     assert info.level == logging.INFO and "appendonly yes, appendfsync everysec" in info.message
 
 
-def test_a_user_without_config_gets_unknown_at_info_and_one_acl_log_entry() -> None:
-    """Given the recommended tenant ACL (no +config) and "refuse", the worker would start: the
-    persistence is "unknown" at INFO, and CONFIG GET was tried once (one ACL LOG entry)."""
-    with RedisServer() as server:
-        admin = server.client()
-        admin.execute_command("ACL", "SETUSER", "tenant-p", *acl_rule("tenant-p"))
-        admin.acl_log_reset()
-        url = f"redis://tenant-p:{PASSWORD}@127.0.0.1:{server.port}/0"
-        findings = run_at_worker_start(app_with(url, mode="refuse", singleflight_namespace="tenant-p"))
-        (unknown,) = persistence_of(findings)
-        assert unknown.level == logging.INFO and "unknown (CONFIG GET is refused" in unknown.message
-        assert "pc.parked" in unknown.message and PASSWORD not in unknown.message
-        assert set(denied(admin)) == {("tenant-p", "command", "config|get")}
-        assert len(denied(admin)) == 1
+def test_an_acl_users_start_check_reads_info_and_leaves_the_acl_log_empty(aof: RedisServer) -> None:
+    """Given the documented tenant ACL (INFO, never CONFIG), the start checks name the server,
+    read the persistence from INFO and ask no CONFIG: ACL LOG stays empty. Without AOF and with
+    "refuse", the worker is refused; with AOF it starts, at INFO."""
+    for server, level in ((aof, logging.INFO), (None, logging.ERROR)):
+        with contextlib.ExitStack() as stack:
+            if server is None:
+                server = stack.enter_context(RedisServer())
+            admin = server.client()
+            admin.execute_command("ACL", "SETUSER", "tenant-p", *acl_rule("tenant-p"))
+            admin.acl_log_reset()
+            url = f"redis://tenant-p:{PASSWORD}@127.0.0.1:{server.port}/0"
+            findings = preflight(app_with(url, mode="refuse", singleflight_namespace="tenant-p"))
+            (found,) = persistence_of(findings)
+            assert found.level == level and "(CONFIG GET is not asked of ACL user tenant-p)" in found.message
+            assert ("appendonly yes" if level == logging.INFO else "appendonly no") in found.message
+            assert "pc.parked" in found.message and PASSWORD not in found.message
+            (summary,) = [f for f in findings if f.check == "summary"]
+            assert f": {binary_server_kind()}, role master, 0 replicas" in summary.message
+            assert denied(admin) == []
 
 
-def test_a_redis_without_the_config_command_gets_unknown_at_info() -> None:
-    """Given a managed-style Redis whose CONFIG command is renamed away, "refuse" still starts."""
-    with RedisServer(extra=["--rename-command", "CONFIG", ""]) as server:
-        (unknown,) = persistence_of(run_at_worker_start(app_with(f"{server.url}/0", mode="refuse")))
-        assert unknown.level == logging.INFO and "unknown (CONFIG GET answered" in unknown.message
+def test_a_user_without_info_gets_unknown_at_info_and_one_acl_log_entry(no_aof: RedisServer) -> None:
+    """Given a rule without +info (an older documented rule), "refuse" still starts: the persistence
+    is unknown at INFO, the role and version come from HELLO, and INFO's refusal is the only ACL
+    LOG entry (CONFIG GET is not tried after it)."""
+    admin = no_aof.client()
+    admin.execute_command("ACL", "SETUSER", "tenant-i", *acl_rule("tenant-i"), "-info")
+    admin.acl_log_reset()
+    url = f"redis://tenant-i:{PASSWORD}@127.0.0.1:{no_aof.port}/0"
+    findings = run_at_worker_start(app_with(url, mode="refuse", singleflight_namespace="tenant-i"))
+    (unknown,) = persistence_of(findings)
+    assert unknown.level == logging.INFO
+    assert "unknown (INFO did not say, and INFO was refused" in unknown.message
+    (summary,) = [f for f in findings if f.check == "summary"]
+    assert f": {binary_server_kind()}, role master," in summary.message
+    assert denied(admin) == [("tenant-i", "command", "info")]
+
+
+@pytest.mark.parametrize("appendonly", ["yes", "no"])
+def test_a_redis_without_the_config_command_is_read_from_info(appendonly: str) -> None:
+    """Given a managed-style Redis whose CONFIG command is renamed away (ElastiCache, Aiven), the
+    check reads appendonly from INFO: with AOF, "refuse" starts at INFO; without, it refuses."""
+    with RedisServer(extra=["--rename-command", "CONFIG", "", "--appendonly", appendonly]) as server:
+        findings = preflight(app_with(f"{server.url}/0", mode="refuse"))
+        (found,) = persistence_of(findings)
+        assert f"appendonly {appendonly} (CONFIG GET answered: unknown command" in found.message
+        assert found.level == (logging.INFO if appendonly == "yes" else logging.ERROR)
 
 
 # -- real workers ---------------------------------------------------------------------------------

@@ -122,8 +122,8 @@ class CoreOptions(OptionGroup):
         " Redis and that Redis has no append-only file, so a restart loses them"
         " ([operations](operations.md#persistence-of-the-lease-redis)): `warn` logs a WARNING naming the"
         " tasks, `refuse` stops the worker.",
-        values="`\"warn\"`, `\"refuse\"` or `\"off\"` (no check). A Redis that refuses `CONFIG GET` is"
-        " reported at INFO, never refused.",
+        values="`\"warn\"`, `\"refuse\"` or `\"off\"` (no check). Read from `INFO`; a Redis that"
+        " answers neither `INFO` nor `CONFIG GET` is reported at INFO, never refused.",
     )
     namespace = Option[str](
         task="lock_namespace", default="sf", check=_namespace,

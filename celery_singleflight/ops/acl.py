@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import re
 
+from ..protocol.servers import ServerKind
 from ..protocol.store import CHANNELS, INDEXES
 from ..protocol.timing import ACL_COMMANDS
 
-__all__ = ["CLUSTER_COMMANDS", "LIBRARY_COMMANDS", "TIME_POLICY_COMMANDS", "acl_rule", "channel_patterns",
-           "key_patterns"]
+__all__ = ["CLUSTER_COMMANDS", "LIBRARY_COMMANDS", "MAINT_NOTIFICATIONS", "SETINFO", "TIME_POLICY_COMMANDS",
+           "acl_rule", "channel_patterns", "connection_commands", "key_patterns"]
 
 #: every command the library sends to the lease Redis in a full run
 LIBRARY_COMMANDS: tuple[str, ...] = (
@@ -37,7 +38,28 @@ LIBRARY_COMMANDS: tuple[str, ...] = (
     "publish", "subscribe",
     # redis-py's health check
     "ping",
+    # the worker's start checks: the server's family and version, role, eviction policy and
+    # persistence (never CONFIG, whose values include secrets)
+    "info",
 )
+
+#: what redis-py sends on every new connection: its name and version (for CLIENT LIST), and
+#: over RESP3 (redis-py 8's default) a request for maintenance notices
+SETINFO, MAINT_NOTIFICATIONS = "client|setinfo", "client|maint_notifications"
+
+
+def connection_commands(server: ServerKind | None) -> tuple[str, ...]:
+    """What ``server`` needs granted of redis-py's handshake (None: Redis 7.2 and later, Valkey).
+
+    A server that does not know a subcommand answers it as unknown, which is no ACL refusal; but
+    Redis 6 checks the ACL first (and takes any subcommand name in a rule), and Redis 7.0 and 7.1
+    refuse ``client|setinfo`` in a rule (they do not have it)."""
+    if server is not None and server.family == "Redis":
+        if server.version < (7,):
+            return (SETINFO, MAINT_NOTIFICATIONS)
+        if server.version < (7, 2):
+            return ()
+    return (SETINFO,)
 
 #: what redis-py's cluster client sends besides: the slot map (CLUSTER SLOTS) and the key
 #: positions of commands (COMMAND), when it connects
@@ -67,17 +89,19 @@ def channel_patterns(namespace: str) -> list[str]:
 
 def acl_rule(
     namespace: str, password: str = "PASSWORD", *, database: int = 0, cluster: bool = False,
-    time_policies: bool = False,
+    time_policies: bool = False, server: ServerKind | None = None,
 ) -> list[str]:
     """The rule (the words after ``ACL SETUSER <user>``) for a user of ``namespace``'s leases.
 
     ``database`` other than 0 adds ``select`` (redis-py selects it on every connection; Redis ACLs
     cannot limit databases); ``cluster`` adds :data:`CLUSTER_COMMANDS`; ``time_policies`` adds
-    :data:`TIME_POLICY_COMMANDS`.
+    :data:`TIME_POLICY_COMMANDS`; ``server`` (the family and version the rule is for) picks
+    :func:`connection_commands`.
     """
     commands = [
         *LIBRARY_COMMANDS, *(TIME_POLICY_COMMANDS if time_policies else ()),
         *(["select"] if database else []), *(CLUSTER_COMMANDS if cluster else ()),
+        *connection_commands(server),
     ]
     return [
         "reset", "on", f">{password}",

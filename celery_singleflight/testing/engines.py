@@ -27,7 +27,7 @@ from typing import Any
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from . import NO_RETRY, RedisServer, _child_setup, redis_server_binary, stop_process
+from . import NO_RETRY, RedisServer, _child_setup, redis_cli_binary, redis_server_binary, stop_process
 
 __all__ = [
     "RedisClusterServers", "SentinelGroup", "TlsFiles", "TlsRedisServer", "cluster_port", "make_tls_files",
@@ -151,7 +151,7 @@ class RedisClusterServers:
         try:
             for node in self.nodes:
                 node.start()
-            cli = shutil.which("redis-cli") or str(Path(redis_server_binary()).with_name("redis-cli"))
+            cli = redis_cli_binary(self.nodes[0].binary)
             subprocess.run(
                 [cli, "--cluster", "create", *(f"127.0.0.1:{node.port}" for node in self.nodes),
                  "--cluster-replicas", str(self.replicas), "--cluster-yes"],

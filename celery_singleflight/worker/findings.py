@@ -15,11 +15,12 @@ from ..connection.clients import redacted_url
 from ..connection.targets import RedisTarget
 from ..constants import MAX_CLOCK_SKEW
 from ..protocol.fields import PROTOCOL, READS
+from ..protocol.servers import TESTED, ServerKind
 from .registry import guarded_tasks
 
-__all__ = ["Finding", "LeaseRedis", "clock_finding", "clock_skew", "eviction_finding", "protocol_finding",
-           "refusal", "replica_refusal", "replication_finding", "ttl_findings", "unreachable",
-           "visibility_findings"]
+__all__ = ["Finding", "LeaseRedis", "clock_finding", "clock_skew", "eviction_finding", "old_server_refusal",
+           "protocol_finding", "refusal", "replica_refusal", "replication_finding", "ttl_findings",
+           "unreachable", "visibility_findings"]
 
 #: kombu's default visibility timeouts, by broker transport
 _VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "redis+socket": 3600.0, "sentinel": 3600.0,
@@ -34,7 +35,7 @@ class Finding:
     ``level`` is a :mod:`logging` level: INFO for the summary of a lease Redis, WARNING for
     something to fix, ERROR for a refusal (the worker does not start). ``url`` is the redacted
     URL of the Redis (or broker) concerned; ``check`` names the check (``reachability``,
-    ``scripts``, ``replication``, ``eviction``, ``persistence``, ``clock``, ``ttl``,
+    ``version``, ``scripts``, ``replication``, ``eviction``, ``persistence``, ``clock``, ``ttl``,
     ``visibility_timeout``, ``summary``).
     """
 
@@ -116,6 +117,17 @@ def unreachable(target: LeaseRedis, exc: BaseException) -> Finding:
         f"the lease Redis {target.shown} is unreachable ({exc}): the worker starts anyway, and until"
         f" it answers, tasks follow on_redis_error ({'; '.join(what[m] for m in modes)})",
         target.shown, "reachability",
+    )
+
+
+def old_server_refusal(target: LeaseRedis, kind: ServerKind) -> Finding:
+    """The refusal of a server older than the oldest the library supports."""
+    oldest = ".".join(map(str, kind.oldest or ()))
+    return Finding(
+        logging.ERROR,
+        f"the lease Redis {target.shown} is {kind}, older than {kind.family} {oldest}, the oldest this"
+        f" library supports (tested on {TESTED}; docs/versioning.md): upgrade that server",
+        target.shown, "version",
     )
 
 

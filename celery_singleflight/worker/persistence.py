@@ -4,16 +4,19 @@ Parked runs (``queue``, ``ordered``, ``join``, the pending run of ``coalesce`` a
 the runs waiting at a ``fair_concurrency`` gate) and delayed runs (``debounce``,
 ``key_rate_limit``, the ``retry`` policy's re-sends) exist only in the lease Redis once their
 broker message was acknowledged: a Redis that restarts without an
-append-only file loses them, and nothing else remembers them. The check reads ``CONFIG GET
-append*`` and ``CONFIG GET save`` and says what a restart would lose; what it does about it is
-``singleflight_require_persistence`` (``warn``, ``refuse``, ``off``). A Redis that refuses
-``CONFIG`` (an ACL without it, a managed Redis) is reported at INFO: unknown is never a refusal.
+append-only file loses them, and nothing else remembers them. The check reads ``aof_enabled``
+from ``INFO`` (which the documented ACL rule grants) and, where the user may run it, ``CONFIG GET
+append*`` and ``CONFIG GET save`` for the details (the fsync policy, the snapshot rule); it says
+what a restart would lose, and what it does about it is ``singleflight_require_persistence``
+(``warn``, ``refuse``, ``off``). A Redis that answers neither (``INFO`` refused, ``CONFIG``
+renamed by a managed service) is reported at INFO: unknown is never a refusal.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -22,8 +25,7 @@ from ..constants import DELAYING_OPTIONS
 from ..protocol import server
 from .findings import Finding
 
-__all__ = ["ENDS_AT_ONCE", "Persistence", "persistence_finding", "read_persistence", "refused",
-           "waiting_runs"]
+__all__ = ["ENDS_AT_ONCE", "Persistence", "persistence_finding", "read_persistence", "waiting_runs"]
 
 #: the duplicate policies that end a duplicate at once; every other one keeps it waiting in the lease
 #: Redis (parked, joined, pending or re-sent with a copy there), as a policy added later will
@@ -60,27 +62,32 @@ def waiting_runs(task: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class Persistence:
-    """What ``CONFIG GET`` said of a Redis's persistence; ``appendonly`` is None when unknown
-    (``unknown`` then says why)."""
+    """What a Redis said of its persistence; ``appendonly`` is None when unknown (``unknown``
+    then says why). ``save`` is None when the snapshot rule was not read (``INFO`` alone; then
+    ``unread`` says why ``CONFIG GET`` was not asked)."""
 
     appendonly: bool | None
     appendfsync: str = ""
-    save: str = ""
+    save: str | None = ""
     unknown: str = ""
+    unread: str = ""
 
     @property
     def kind(self) -> str:
-        """``aof``, ``rdb`` (snapshots only), ``none`` or ``unknown``."""
+        """``aof``, ``rdb`` (snapshots only), ``none``, ``no_aof`` (no append-only file, snapshot
+        rule not read) or ``unknown``."""
         if self.appendonly is None:
             return "unknown"
         if self.appendonly:
             return "aof"
+        if self.save is None:
+            return "no_aof"
         return "rdb" if self.rules() else "none"
 
     def rules(self) -> list[tuple[int, int]]:
         """The ``save`` rule as (seconds, changes) pairs: a snapshot once so many seconds passed
         with at least so many writes since the last one."""
-        numbers = [int(part) for part in self.save.split() if part.isdigit()]
+        numbers = [int(part) for part in (self.save or "").split() if part.isdigit()]
         return list(zip(numbers[::2], numbers[1::2], strict=False))
 
     def snapshot_age(self) -> int | None:
@@ -92,8 +99,14 @@ class Persistence:
     def describe(self) -> str:
         """How the Redis keeps its data, and what a crash or restart loses."""
         if self.kind == "aof":
+            if not self.appendfsync:
+                return (f"appendonly yes ({self.unread}): a crash loses at most what its appendfsync allows,"
+                        " about the last second with everysec, the default")
             loss = _FSYNC_LOSS.get(self.appendfsync, f"appendfsync {self.appendfsync}")
             return f"appendonly yes, appendfsync {self.appendfsync}: {loss}"
+        if self.kind == "no_aof":
+            return (f"appendonly no ({self.unread}): a crash or restart loses the writes since the last RDB"
+                    " snapshot, or everything when it takes none")
         if self.kind == "none":
             return "appendonly no, save \"\": no snapshots either, so a restart loses everything"
         age, fewest = self.snapshot_age(), min(changes for _, changes in self.rules())
@@ -103,23 +116,28 @@ class Persistence:
                 f" the last snapshot, {most}")
 
 
-def read_persistence(client: Any) -> Persistence:
-    """The persistence ``CONFIG GET`` reports; a refused or unknown ``CONFIG`` (ACL, managed
-    Redis) gives an unknown :class:`Persistence`, never an error."""
+def read_persistence(client: Any, info: Mapping[str, Any] | None = None, *, ask_config: bool = True,
+                     unread: str = "") -> Persistence:
+    """The persistence of a Redis: ``aof_enabled`` from its ``INFO`` (``info``, when read), and
+    ``CONFIG GET`` for the details when ``ask_config`` (else ``unread`` says why not). A refused,
+    renamed or unknown ``CONFIG`` keeps what ``INFO`` said, or gives an unknown
+    :class:`Persistence`; never an error."""
+    from_info = None
+    if info is not None and "aof_enabled" in info:
+        from_info = Persistence(str(info["aof_enabled"]) == "1", save=None, unread=unread)
+    if not ask_config:
+        return from_info or Persistence(None, unknown=f"INFO did not say, and {unread}")
     try:
         conf = server.config_persistence(client)
     except redis.exceptions.NoPermissionError:
-        return refused()
+        why = "CONFIG GET is refused to this user (NOPERM)"
     except redis.ResponseError as exc:  # a managed Redis that renamed or removed CONFIG
-        return Persistence(None, unknown=f"CONFIG GET answered: {exc}")
-    if "appendonly" not in conf:
-        return Persistence(None, unknown="CONFIG GET answered without appendonly")
-    return Persistence(conf["appendonly"] == "yes", conf.get("appendfsync", ""), conf.get("save", ""))
-
-
-def refused() -> Persistence:
-    """The persistence of a Redis that refused ``CONFIG GET`` to this user."""
-    return Persistence(None, unknown="CONFIG GET is refused to this user (NOPERM)")
+        why = f"CONFIG GET answered: {exc}"
+    else:
+        if "appendonly" in conf:
+            return Persistence(conf["appendonly"] == "yes", conf.get("appendfsync", ""), conf.get("save", ""))
+        why = "CONFIG GET answered without appendonly"
+    return replace(from_info, unread=why) if from_info else Persistence(None, unknown=why)
 
 
 def _tasks(waiting: dict[str, list[str]]) -> str:

@@ -4,29 +4,34 @@ They run in the worker's main process (the library's worker bootstep, before the
 distinct lease Redis used by the app's guarded tasks, on a short-lived client of their own: one
 connection attempt (2 s), no retries, so a Redis that is down costs the start seconds at most.
 
-Per lease Redis, one summary INFO line (``lease Redis redis://…: Redis 7.0.15, role master, 12
-scripts loaded, clock skew +0.003 s``; passwords are redacted) and, where needed:
+Per lease Redis, one summary INFO line naming the server (``lease Redis redis://…: Valkey 8.0.1,
+role master, 0 replicas, 12 scripts loaded, clock skew +0.003 s``; passwords are redacted) and,
+where needed:
 
 - **reachability** (``PING``): unreachable is a WARNING, the worker starts and tasks follow
   ``on_redis_error`` until Redis answers;
+- **server** (one ``INFO``, which the documented ACL rule grants; ``HELLO``, which needs no
+  permission, when it is refused): family and version (:mod:`..protocol.servers`; Valkey's
+  ``redis_version`` is always 7.2.4), a server older than the oldest supported stops the worker;
 - **permissions**: ``EVALSHA`` (probed with an unknown script, so nothing runs) and ``SCRIPT LOAD``
   of every lease script (which also warms the script cache). A NOPERM for a command the library
   needs on every run (``PING``, ``SELECT``, ``EVALSHA``, ``SCRIPT LOAD``) stops the worker;
-- **role**: from ``HELLO`` (which needs no permission) and ``INFO replication``. A replica stops the
-  worker; a primary with connected replicas and no ``min-replicas-to-write`` is a WARNING;
-- **eviction**: ``CONFIG GET maxmemory*``; a policy other than ``noeviction`` is a WARNING;
-- **persistence**: ``CONFIG GET append*`` and ``save``, against the tasks that keep waiting runs
-  there (:mod:`.persistence`): without an append-only file, a WARNING or a refusal, as
+- **role**: from ``INFO`` (else ``HELLO``). A replica stops the worker; a primary with connected
+  replicas and no ``min-replicas-to-write`` is a WARNING;
+- **eviction**: ``maxmemory`` and ``maxmemory_policy`` from ``INFO``; a policy other than
+  ``noeviction`` is a WARNING;
+- **persistence**: ``aof_enabled`` from ``INFO`` and, asked of the default user only, ``CONFIG
+  GET append*`` and ``save`` for the details, against the tasks that keep waiting runs there
+  (:mod:`.persistence`): without an append-only file, a WARNING or a refusal, as
   ``singleflight_require_persistence`` says; otherwise INFO;
 - **clock**: Redis ``TIME`` against ``time.time()`` (midpoint of the round trip), a WARNING beyond
   :data:`~..constants.MAX_CLOCK_SKEW`;
 - **lease TTL** against the client's timeouts, a WARNING (see :func:`.findings.ttl_findings`).
 
-``CONFIG`` and ``INFO`` are optional: a refusal is logged at DEBUG and the check skipped (the
-persistence check says "unknown" at INFO). Every refusal is an entry in Redis's ``ACL LOG``, so
-after a refused ``CONFIG GET`` the worker tries neither another ``CONFIG GET`` nor ``INFO`` (the
-role still comes from ``HELLO``). Under the recommended per-tenant ACL (docs/isolation.md) a
-worker start therefore adds exactly one entry, ``config|get``.
+Every refusal is an entry in Redis's ``ACL LOG``, and Redis has no way for a restricted user to
+ask what it may run, so the checks never ask a named ACL user for ``CONFIG`` and never ask again
+after a refusal: under the documented rule (docs/isolation.md) a worker start leaves ``ACL LOG``
+empty. A refused ``CONFIG`` (or one a managed service renamed) keeps what ``INFO`` said.
 
 Once per app: the broker's visibility timeout against the time limits of guarded ``acks_late``
 tasks (Redis and SQS brokers), a WARNING.
@@ -53,6 +58,7 @@ from ..connection.targets import build_client, is_cluster, target_from_settings
 from ..constants import PROBE_CONNECT_TIMEOUT, PROBE_SOCKET_TIMEOUT
 from ..errors import ConfigurationError
 from ..protocol import server
+from ..protocol.servers import ServerKind, server_kind
 from ..protocol.store import SCRIPTS
 from ..run.guard import options_store
 from .findings import (
@@ -61,6 +67,7 @@ from .findings import (
     clock_finding,
     clock_skew,
     eviction_finding,
+    old_server_refusal,
     protocol_finding,
     refusal,
     replica_refusal,
@@ -69,7 +76,7 @@ from .findings import (
     unreachable,
     visibility_findings,
 )
-from .persistence import persistence_finding, read_persistence, refused
+from .persistence import persistence_finding, read_persistence
 from .registry import guarded_tasks
 
 __all__ = ["Finding", "clock_finding", "clock_skew", "preflight", "run_at_worker_start",
@@ -168,21 +175,21 @@ def _check_cluster(target: LeaseRedis, cluster: Any) -> list[Finding]:
                 cluster.close()
 
 
-def _summary(target: LeaseRedis, shown: str, hello: dict[str, str], info: dict[str, Any], loaded: int | None,
-             skew: float | None, findings: list[Finding]) -> list[Finding]:
-    """The INFO summary of one lease Redis, first, then what its checks found (and the replica
-    refusal, read from its role)."""
+def _summary(target: LeaseRedis, shown: str, kind: ServerKind | None, info: dict[str, Any],
+             loaded: int | None, skew: float | None, findings: list[Finding]) -> list[Finding]:
+    """The INFO summary of one lease Redis (the server's family and version first), then what its
+    checks found (and the replica refusal, read from its role)."""
     facts: list[str] = []
-    if hello.get("version"):
-        facts.append(f"Redis {hello['version']}")
-    role = str(info.get("role", "")) or hello.get("role", "")  # INFO says slave, HELLO replica
+    if kind is not None:
+        facts.append(str(kind))
+    role = str(info.get("role", "")) or str(info.get("hello_role", ""))  # INFO says slave, HELLO replica
     role = "replica" if role == "slave" else role
     if role:
         facts.append(f"role {role}")
     if role == "replica":
         primary = f"{info['master_host']}:{info['master_port']}" if info.get("master_host") else ""
         findings.append(replica_refusal(target, primary))
-    elif info:
+    elif "connected_slaves" in info:
         replicas = int(info.get("connected_slaves", 0) or 0)
         facts.append(f"{replicas} replica{'' if replicas == 1 else 's'}")
         failover = replication_finding(info, shown)
@@ -194,6 +201,20 @@ def _summary(target: LeaseRedis, shown: str, hello: dict[str, str], info: dict[s
         facts.append(f"clock skew {skew:+.3f} s".replace("-0.000", "+0.000"))
     summary = Finding(logging.INFO, f"lease Redis {shown}: {', '.join(facts) or 'answers'}", shown, "summary")
     return [summary, *findings]
+
+
+def _config_not_asked(client: Any, info_refused: bool) -> str:
+    """Why ``CONFIG GET`` is not asked of this connection's user ('' when it is): an ACL user
+    (the documented rule grants ``INFO``, never ``CONFIG``, whose values include secrets) or one
+    refused ``INFO`` already. Each refusal is an entry in Redis's ``ACL LOG``; Redis has no way to
+    ask what a user may run that a restricted user may run (``ACL DRYRUN`` is refused to it)."""
+    if info_refused:
+        return "INFO was refused to this user, so CONFIG GET was not asked"
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    user = kwargs.get("username")
+    if user and user != "default":
+        return f"CONFIG GET is not asked of ACL user {user}"
+    return ""
 
 
 def _check_protocol(target: LeaseRedis, client: redis.Redis, shown: str) -> list[Finding]:
@@ -210,16 +231,35 @@ def _check_protocol(target: LeaseRedis, client: redis.Redis, shown: str) -> list
 
 def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> list[Finding]:
     findings: list[Finding] = []
-    hello: dict[str, str] = {}
     info: dict[str, Any] = {}
+    kind: ServerKind | None = None
     loaded: int | None = None
     skew: float | None = None
+    namespaces = sorted({task.options.namespace for task in target.tasks}) or ["singleflight"]
     try:
         hello = _safely("HELLO", shown, lambda: server.hello(client)) or {}
+        info_refused = False
+
+        def read_info() -> dict[str, Any]:
+            nonlocal info_refused
+            try:
+                return server.info(client)
+            except redis.exceptions.NoPermissionError as exc:
+                info_refused = True
+                log.debug("%s: INFO refused (%s): the role and version come from HELLO", shown, exc)
+                return {}
+
+        info = _safely("INFO", shown, read_info) or {}
+        kind = server_kind(info, hello)
+        if "role" not in info and hello.get("role"):
+            info["hello_role"] = hello["role"]
+        if kind is not None and kind.too_old:
+            findings.append(old_server_refusal(target, kind))
 
         def load() -> int | Finding:
             try:
-                return server.load_scripts(client, [script.source for script in SCRIPTS])
+                return server.load_scripts(client, [script.source for script in SCRIPTS],
+                                           server.mark_key(namespaces[0]))
             except redis.exceptions.NoPermissionError as exc:
                 return refusal(target, exc, "for every lease operation")
 
@@ -230,14 +270,17 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
         elif isinstance(scripts_result, int):
             loaded = scripts_result
 
-        admin_refused = False
+        not_asked = _config_not_asked(client, info_refused)
 
         def eviction() -> Finding | None:
-            nonlocal admin_refused
+            if "maxmemory_policy" in info:
+                limit = int(info.get("maxmemory", 0) or 0)
+                return eviction_finding(limit, str(info["maxmemory_policy"]), shown)
+            if not_asked:
+                return None
             try:
                 return eviction_finding(*server.config_memory(client), shown)
             except redis.exceptions.NoPermissionError as exc:
-                admin_refused = True
                 log.debug("%s: CONFIG GET refused (%s), eviction check skipped", shown, exc)
                 return None
 
@@ -249,25 +292,12 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
             mode = target.tasks[0].options.require_persistence if target.tasks else "off"
             if mode == "off":
                 return None  # asks nothing: one CONFIG GET fewer
-            found = refused() if admin_refused else read_persistence(client)
+            found = read_persistence(client, info or None, ask_config=not not_asked, unread=not_asked)
             return persistence_finding(shown, target.tasks, found, mode)
 
         persists = _safely("persistence", shown, persistence)
         if persists is not None:
             findings.append(persists)
-
-        def replication() -> dict[str, Any]:
-            if admin_refused:
-                log.debug("%s: INFO not tried after CONFIG was refused (each refusal is an ACL LOG"
-                          " entry); the role comes from HELLO", shown)
-                return {}
-            try:
-                return server.replication(client)
-            except redis.exceptions.NoPermissionError as exc:
-                log.debug("%s: INFO refused (%s), replication check skipped", shown, exc)
-                return {}
-
-        info = _safely("replication", shown, replication) or {}
 
         def clock() -> tuple[float, Finding | None]:
             before = mod_time.time()
@@ -284,7 +314,7 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
     except _Unreachable as exc:
         findings.append(unreachable(target, exc))
 
-    return _summary(target, shown, hello, info, loaded, skew, findings)
+    return _summary(target, shown, kind, info, loaded, skew, findings)
 
 
 # -- once per app ---------------------------------------------------------------------------------

@@ -8,10 +8,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import click
+import redis
+from redis.exceptions import RedisClusterException
 from celery.bin.base import CeleryCommand
 
 from ...config.options import app_options
-from ...connection.targets import redis_database
+from ...connection.clients import redis_client
+from ...connection.targets import is_cluster, redis_database
+from ...protocol import server
+from ...protocol.servers import ServerKind, server_kind
 from ...worker.registry import guarded_tasks, known_slots, slots_of
 from ..acl import acl_rule
 from ..keystatus import KeyStatus, WatchEvent
@@ -348,6 +353,16 @@ def release(
         click.echo(f"released {where}, held by task {released}")
 
 
+def _server_of(client: Any) -> ServerKind | None:
+    """The family and version of the server ``client`` talks to, from HELLO (None: no answer)."""
+    try:
+        if is_cluster(client):  # any node: they run one server
+            client = client.get_redis_connection(client.get_default_node())
+        return server_kind({}, server.hello(client))
+    except (redis.RedisError, RedisClusterException, OSError, ValueError):
+        return None
+
+
 @singleflight.command(cls=CeleryCommand)
 @option("--user", default="singleflight", metavar="USER", help="The ACL user name (default: singleflight).")
 @option("--password", default="PASSWORD", metavar="PASSWORD",
@@ -359,6 +374,8 @@ def acl(ctx: click.Context, user: str, password: str) -> None:
     The user may touch only the keys of the app's namespace and run only the commands the library
     sends (docs: Operations). Adds SELECT when the lease database is not 0, the commands of
     redis-py's cluster client for a Cluster, and those of the time policies when a task uses one.
+    Asks the server its version (HELLO, which needs no permission): what redis-py sends on each
+    new connection is granted as that server names it.
     Run the line printed on every node of a Cluster or, with Sentinel, on the master and every
     replica (replicas take ACLs from their own config, not by replication).
     """
@@ -370,6 +387,11 @@ def acl(ctx: click.Context, user: str, password: str) -> None:
         if target.scheme in ("redis", "rediss", "unix", "sentinel"):
             database = redis_database(target.url)
         timed = any(stage.acl_commands for task in guarded_tasks(app) for stage in task.pipeline.stages)
+        kind = _server_of(redis_client(target))
         rule = acl_rule(opts.namespace, password, database=database, cluster=target.cluster,
-                        time_policies=timed)
+                        time_policies=timed, server=kind)
+    if kind is None:
+        click.echo("the lease Redis did not answer HELLO: this rule is for Redis 7.2 and later and Valkey;"
+                   " on Redis 7.0 or 7.1 leave out +client|setinfo, on Redis 6.2 add"
+                   " +client|maint_notifications", err=True)
     click.echo(f"ACL SETUSER {user} " + " ".join(rule))
