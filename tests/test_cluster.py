@@ -40,6 +40,8 @@ from celery_singleflight.worker.preflight import preflight
 from .conftest import IN_CI, TESTS, wait_for, worker_env
 from .topology_mix import check_outcomes, run_policy_mix
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisClusterServers]:

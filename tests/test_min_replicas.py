@@ -27,6 +27,8 @@ from celery_singleflight.testing import RedisServer
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 
 @pytest.fixture
 def primary() -> Iterator[RedisServer]:

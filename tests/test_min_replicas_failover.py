@@ -34,6 +34,8 @@ from celery_singleflight.testing.engines import SentinelGroup
 from .chaos.proxy import TcpProxy
 from .conftest import IN_CI, ROOT, TESTS, wait_for
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 ROUNDS = 4
 BODY = 3.0  # seconds: longer than a failover, so the first run still runs when the second starts
 

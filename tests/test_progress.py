@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -218,3 +219,22 @@ def test_a_lost_run_records_lost_as_its_outcome(
     result.get(timeout=15)
     st = wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.outcome and s, timeout=10)
     assert st.outcome == "lost" and st.state == "lost" and not st.held
+
+
+@pytest.mark.core
+def test_progress_and_the_lease_work_in_a_body_run_by_apply(redis_server: RedisServer) -> None:
+    """``task.apply()`` (eager) runs the body under its lease with ``self.progress()`` and
+    ``self.lease``, on every Celery allowed (5.3 pushes a fresh request for the body)."""
+    from celery import Celery
+
+    app = Celery("eager-progress", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.singleflight_redis_url = f"{redis_server.url}/2"
+
+    @app.task(bind=True, base=sf.SingleFlightTask, name="eager.report", shared=False, lock_key="eager:<n>")
+    def report(self: Any, n: int) -> int:
+        self.progress("half", current=1, total=2)
+        return int(self.lease.fence > 0)
+
+    assert report.apply((1,)).get() == 1
+    st = report.status(1)
+    assert st is not None and st.outcome == "succeeded" and (st.current, st.total) == (1, 2)

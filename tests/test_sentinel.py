@@ -32,6 +32,8 @@ from celery_singleflight.worker.preflight import preflight
 from .conftest import IN_CI, wait_for
 from .topology_mix import check_outcomes, run_policy_mix
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 
 def _started() -> Iterator[SentinelGroup]:
     sentinels = SentinelGroup()

@@ -33,6 +33,8 @@ from celery_singleflight.testing.engines import TlsFiles, TlsRedisServer, make_t
 from .conftest import IN_CI, TESTS, worker_env
 from .topology_mix import check_outcomes, run_policy_mix
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 PASSWORD = "tls-s3cret"
 
 

@@ -30,6 +30,8 @@ from celery_singleflight.testing import RedisServer
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 #: far below the first renewal (lock_ttl / 3 = 10 s with the default TTL), far above a push
 TOLD_WITHIN = 1.5
 

@@ -35,6 +35,8 @@ from celery_singleflight.worker.preflight import (
 from .conftest import TESTS, wait_for, worker_env
 from .test_isolation import PASSWORD, acl_rule, denied
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 SUMMARY = re.compile(
     r"INFO/MainProcess\] lease Redis (?P<url>\S+): Redis [\d.]+, role master, 0 replicas,"
     r" (?P<scripts>\d+) scripts loaded, clock skew (?P<skew>[+-]\d+\.\d{3}) s$",

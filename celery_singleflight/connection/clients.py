@@ -37,6 +37,7 @@ __all__ = [
     "last_attempt_sent",
     "redacted_url",
     "redis_client",
+    "take_connection",
 ]
 
 _T = TypeVar("_T")
@@ -186,13 +187,13 @@ def kept_connection(client: redis.Redis) -> Any | None:
     if found is not None and found[0] is client:
         return found[1]
     pool = client.connection_pool
-    conn = _take_connection(pool)
+    conn = take_connection(pool)
     table[id(client)] = (client, conn)
     weakref.finalize(threading.current_thread(), _give_back, pool, conn, pid)
     return conn
 
 
-def _take_connection(pool: Any) -> Any:
+def take_connection(pool: Any) -> Any:
     """A connection from ``pool``: redis-py 5.0 to 5.2 require a command name, later versions
     deprecate passing one."""
     named = inspect.signature(pool.get_connection).parameters.get("command_name")

@@ -13,11 +13,15 @@ never read as an answer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from redis.commands.core import Script
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+
+from .clients import take_connection
+from .scripts import loading
 
 __all__ = ["call_per_slot", "clocks_ms", "slot_of"]
 
@@ -66,7 +70,7 @@ def call_per_slot(
             pending[node.name] = (node, slots)
     for slot in again:
         keys, args = calls[slot]
-        replies[slot] = script(keys=keys, args=args, client=client)
+        replies[slot] = loading(client, script.script, partial(script, keys=keys, args=args, client=client))
     return replies, round_trips + len(again)
 
 
@@ -82,7 +86,7 @@ def _batch(
     sent: list[tuple[Any, Any, Any, list[int]]] = []
     for node, slots in by_node.values():  # write every node's calls first ...
         pool = node.redis_connection.connection_pool
-        conn = pool.get_connection()
+        conn = take_connection(pool)
         commands: list[tuple[Any, ...]] = [
             ("EVALSHA", sha, len(calls[slot][0]), *calls[slot][0], *calls[slot][1]) for slot in slots]
         if wait is not None:

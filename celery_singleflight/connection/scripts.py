@@ -6,7 +6,7 @@ second run of a protocol script is safe): this skips the layers of ``Redis.execu
 of the pool that a lease does not need (about 55 % of redis-py's cost per call). On a Cluster
 it goes the same short way to the node that owns the keys' slot. Any other client (a
 pipeline-bound or single-connection client, a client factory's own class) goes through
-redis-py's ``Script`` as usual. A server that lost the script gets it again.
+redis-py's ``Script`` as usual. A server that lost the script gets it again (:func:`loading`).
 
 :meth:`ClientScript.call_then_wait` sends ``WAIT`` right behind the script, in the same write on
 the same connection: ``WAIT`` counts the replicas that have every write *of its connection*, so
@@ -16,17 +16,35 @@ only that connection can tell whether the script's writes reached them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import redis
 from redis.crc import key_slot
 from redis.sentinel import SentinelConnectionPool
 
-from .clients import UNREACHABLE, kept_connection
+from .clients import UNREACHABLE, kept_connection, take_connection
 from .targets import is_cluster
 
-__all__ = ["ClientScript"]
+__all__ = ["NOSCRIPT_TRIES", "ClientScript", "loading"]
+
+_T = TypeVar("_T")
+
+#: how many times a call Redis answers NOSCRIPT is loaded and sent again. The server forgot the
+#: script (a restart, a failover, a cache flushed by a managed service or evicted): NOSCRIPT ran
+#: nothing, so each try is a first run, and a flush between a load and its call costs one more
+NOSCRIPT_TRIES = 5
+
+
+def loading(client: Any, source: Any, call: Callable[[], _T]) -> _T:
+    """``call()``; on NOSCRIPT, ``SCRIPT LOAD`` ``source`` on ``client`` and call again, up to
+    :data:`NOSCRIPT_TRIES` times in all."""
+    for _ in range(NOSCRIPT_TRIES - 1):
+        try:
+            return call()
+        except redis.exceptions.NoScriptError:
+            client.script_load(source)
+    return call()
 
 #: errors of a call on a Cluster node's own connection that send it again through the cluster client
 _THROUGH_THE_CLUSTER: tuple[type[Exception], ...] = (
@@ -54,12 +72,13 @@ class ClientScript:
         if not self.direct:
             if self.cluster:
                 return self._on_node(keys, args)
-            return self.script(keys=keys, args=args)
-        try:
-            return self._evalsha(keys, args)
-        except redis.exceptions.NoScriptError:
-            self.client.script_load(self.script.script)
-            return self._evalsha(keys, args)
+            return self._through_redis_py(keys, args)
+        return loading(self.client, self.script.script, lambda: self._evalsha(keys, args))
+
+    def _through_redis_py(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """redis-py's ``Script`` (which loads a forgotten script once), loading it again as long
+        as the server keeps forgetting it."""
+        return loading(self.client, self.script.script, lambda: self.script(keys=keys, args=args))
 
     def call_then_wait(self, keys: Sequence[Any], args: Sequence[Any], replicas: int,
                        timeout_ms: int) -> tuple[Any, int]:
@@ -74,18 +93,14 @@ class ClientScript:
         if not self.direct:
             return self._pair_pipelined(keys, args, replicas, timeout_ms)
         connecting = self.send is _send_connecting
-        try:
-            return self._pair(packed, connecting)
-        except redis.exceptions.NoScriptError:
-            self.client.script_load(self.script.script)
-            return self._pair(packed, connecting)
+        return loading(self.client, self.script.script, lambda: self._pair(packed, connecting))
 
     def _pair(self, packed: bytes, connecting: bool) -> tuple[Any, int]:
         conn = kept_connection(self.client)
         if conn is not None:
             return _send_pair(conn, packed, connecting)
         pool = self.client.connection_pool
-        conn = pool.get_connection()
+        conn = take_connection(pool)
         try:
             return _send_pair(conn, packed, connecting)
         finally:
@@ -101,25 +116,23 @@ class ClientScript:
             if conn is not None:
                 with contextlib.suppress(*_THROUGH_THE_CLUSTER):
                     return _send_pair(conn, packed, False)
-            reply = self.script(keys=keys, args=args)
+            reply = self._through_redis_py(keys, args)
         return reply, 0
 
     def _pair_pipelined(self, keys: Sequence[Any], args: Sequence[Any], replicas: int,
                         timeout_ms: int) -> tuple[Any, int]:
         """Any other client: a pipeline (one connection, one round trip) of the script and ``WAIT``."""
-        for attempt in (1, 2):
+        def pair() -> tuple[Any, int]:
             pipe = self.client.pipeline(transaction=False)
             pipe.evalsha(self.script.sha, len(keys), *keys, *args)
             pipe.wait(replicas, timeout_ms)
             reply, acked = pipe.execute(raise_on_error=False)
-            if isinstance(reply, redis.exceptions.NoScriptError) and attempt == 1:
-                self.client.script_load(self.script.script)
-                continue
-            break
-        for answer in (reply, acked):
-            if isinstance(answer, Exception):
-                raise answer
-        return reply, int(acked)
+            for answer in (reply, acked):
+                if isinstance(answer, Exception):
+                    raise answer
+            return reply, int(acked)
+
+        return loading(self.client, self.script.script, pair)
 
     def _node_connection(self, keys: Sequence[Any]) -> Any | None:
         first = keys[0]
@@ -144,11 +157,11 @@ class ClientScript:
         node_client = node.redis_connection
         conn = None if node_client is None else kept_connection(node_client)
         if conn is None:
-            return self.script(keys=keys, args=args)
+            return self._through_redis_py(keys, args)
         try:
             return _send(conn, _pack([b"EVALSHA", self.sha, b"%d" % len(keys), *keys, *args]))
         except _THROUGH_THE_CLUSTER:
-            return self.script(keys=keys, args=args)
+            return self._through_redis_py(keys, args)
 
     def _evalsha(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         packed = _pack([b"EVALSHA", self.sha, b"%d" % len(keys), *keys, *args])
@@ -156,7 +169,7 @@ class ClientScript:
         if conn is not None:
             return self.send(conn, packed)
         pool = self.client.connection_pool
-        conn = pool.get_connection()
+        conn = take_connection(pool)
         try:
             return self.send(conn, packed)
         finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.commands.core import Script as RegisteredScript
 
+from ..connection.scripts import loading
 from .lua import Replies, Script
 
 __all__ = ["FENCED_SET", "SCRIPTS", "FenceReply", "fenced_get", "fenced_set"]
@@ -41,7 +42,8 @@ def _script(client: Any) -> RegisteredScript:
 def fenced_set(client: Any, key: str, value: Any, fence: int, ttl_ms: int | None) -> tuple[bool, int]:
     """Write ``value`` at ``key`` unless a newer fence is stored: (written, the fence now stored)."""
     args = [value, str(fence), "" if ttl_ms is None else ttl_ms]
-    reply = _script(client)(keys=[key], args=args, client=client)
+    script = _script(client)
+    reply = loading(client, script.script, lambda: script(keys=[key], args=args, client=client))
     return int(reply[0]) == FenceReply.WRITTEN, int(reply[1])
 
 

@@ -168,9 +168,24 @@ class RedisClusterServers:
         return self
 
     def _replicas_up(self) -> bool:
-        """Every replica follows its master with the link up."""
+        """Every replica follows its master with the link up, and every node knows each one as a
+        replica (Redis 6.2's masters deny a replica's failover while gossip still calls it a master)."""
         if not self.replicas:
             return True
+        expected = len(self.nodes) // (1 + self.replicas) * self.replicas
+        for node in self.nodes:
+            client: Any = node.client()
+            try:
+                listed = client.execute_command("CLUSTER NODES")
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+            text = listed.decode() if isinstance(listed, bytes) else str(listed)
+            if isinstance(listed, dict):
+                text = "\n".join(str(entry.get("flags", "")) for entry in listed.values())
+            if text.count("slave") != expected:
+                return False
         up = 0
         for node in self.nodes:
             client = node.client()

@@ -66,9 +66,15 @@ def _user(url: str) -> str:
         return "default"
 
 
+#: the one subcommand the library sends of each command with subcommands: Redis 6 names only the
+#: command in a refusal ("the 'script' command or its subcommand")
+_SENT_SUBCOMMAND = {"script": "script|load", "cluster": "cluster|slots", "client": "client|setinfo"}
+
+
 def _refused_command(exc: BaseException) -> str:
     found = re.search(r"'([^']+)' command", str(exc))
-    return found.group(1) if found else "a command"
+    command = found.group(1).lower() if found else "a command"
+    return _SENT_SUBCOMMAND.get(command, command)
 
 
 def _seconds(value: float) -> str:

@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from celery_singleflight.ops.acl import (
     LIBRARY_COMMANDS,
     MAINT_NOTIFICATIONS,
@@ -23,6 +25,8 @@ from celery_singleflight.policies import debounce, ratelimit
 from celery_singleflight.protocol.store import store_for
 from celery_singleflight.protocol.timing import DueReply
 from celery_singleflight.testing import RedisServer, binary_server_kind
+
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "isolation.md"
 

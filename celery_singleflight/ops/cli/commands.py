@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 import redis
-from redis.exceptions import RedisClusterException
 from celery.bin.base import CeleryCommand
+from redis.exceptions import RedisClusterException
 
 from ...config.options import app_options
 from ...connection.clients import redis_client
