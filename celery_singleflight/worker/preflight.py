@@ -175,15 +175,14 @@ def _check_cluster(target: LeaseRedis, cluster: Any) -> list[Finding]:
                 cluster.close()
 
 
-def _summary(target: LeaseRedis, shown: str, kind: ServerKind | None, info: dict[str, Any],
+def _summary(target: LeaseRedis, shown: str, kind: ServerKind | None, role: str, info: dict[str, Any],
              loaded: int | None, skew: float | None, findings: list[Finding]) -> list[Finding]:
     """The INFO summary of one lease Redis (the server's family and version first), then what its
     checks found (and the replica refusal, read from its role)."""
     facts: list[str] = []
     if kind is not None:
         facts.append(str(kind))
-    role = str(info.get("role", "")) or str(info.get("hello_role", ""))  # INFO says slave, HELLO replica
-    role = "replica" if role == "slave" else role
+    role = "replica" if role == "slave" else role  # INFO says slave, HELLO replica
     if role:
         facts.append(f"role {role}")
     if role == "replica":
@@ -231,11 +230,12 @@ def _check_protocol(target: LeaseRedis, client: redis.Redis, shown: str) -> list
 
 def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> list[Finding]:
     findings: list[Finding] = []
+    hello: dict[str, str] = {}
     info: dict[str, Any] = {}
     kind: ServerKind | None = None
     loaded: int | None = None
     skew: float | None = None
-    namespaces = sorted({task.options.namespace for task in target.tasks}) or ["singleflight"]
+    probe_key = server.mark_key(target.tasks[0].options.namespace) if target.tasks else "probe"
     try:
         hello = _safely("HELLO", shown, lambda: server.hello(client)) or {}
         info_refused = False
@@ -251,15 +251,12 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
 
         info = _safely("INFO", shown, read_info) or {}
         kind = server_kind(info, hello)
-        if "role" not in info and hello.get("role"):
-            info["hello_role"] = hello["role"]
         if kind is not None and kind.too_old:
             findings.append(old_server_refusal(target, kind))
 
         def load() -> int | Finding:
             try:
-                return server.load_scripts(client, [script.source for script in SCRIPTS],
-                                           server.mark_key(namespaces[0]))
+                return server.load_scripts(client, [script.source for script in SCRIPTS], probe_key)
             except redis.exceptions.NoPermissionError as exc:
                 return refusal(target, exc, "for every lease operation")
 
@@ -314,7 +311,8 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
     except _Unreachable as exc:
         findings.append(unreachable(target, exc))
 
-    return _summary(target, shown, kind, info, loaded, skew, findings)
+    role = str(info.get("role") or hello.get("role") or "")
+    return _summary(target, shown, kind, role, info, loaded, skew, findings)
 
 
 # -- once per app ---------------------------------------------------------------------------------
