@@ -70,6 +70,19 @@ def _run_signature(cls: type) -> inspect.Signature | None:
     return sig.replace(parameters=params[1:]) if params else sig
 
 
+def _guard_of(task: Any) -> Any:
+    """The guard of ``task``'s current run: on its request, or on one below it. Celery 5.3's
+    ``Task.__call__`` pushes a fresh request for the body (later versions copy the one the run
+    began with), so under ``apply()`` the body's request does not carry it."""
+    guard = getattr(task.request, REQUEST_ATTR, None)
+    if guard is None:
+        for request in reversed(task.request_stack.stack):
+            guard = getattr(request, REQUEST_ATTR, None)
+            if guard is not None:
+                break
+    return guard
+
+
 class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type information
     """A Task that holds a Redis lease on its rendered ``lock_key`` while it runs.
 
@@ -187,22 +200,10 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
     def store(self) -> LeaseStore:
         return options_store(self.options)
 
-    def _guard(self) -> Any:
-        """The guard of the current run: on its request, or on one below it. Celery 5.3's
-        ``Task.__call__`` pushes a fresh request for the body (later versions copy the one the
-        run began with), so under ``apply()`` the body's request does not carry it."""
-        guard = getattr(self.request, REQUEST_ATTR, None)
-        if guard is None:
-            for request in reversed(self.request_stack.stack):
-                guard = getattr(request, REQUEST_ATTR, None)
-                if guard is not None:
-                    break
-        return guard
-
     @property
     def lease(self) -> Lease:
         """The lease of the current run; raises :class:`NotInsideRun` outside one."""
-        guard = self._guard()
+        guard = _guard_of(self)
         if guard is None or guard.lease is None:
             raise NotInsideRun(f"task {self.name}: self.lease is only available while the task body runs")
         lease: Lease = guard.lease
@@ -232,7 +233,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         """Release the lease before the retry is published, so it is not its own duplicate (an
         enqueue marker stays with the retry, which keeps the task id). If no retry is sent
         (``max_retries`` reached), the run is recorded ``failed`` and its marker freed."""
-        guard = self._guard()
+        guard = _guard_of(self)
         if guard is not None:
             guard.end("retried", answer_joined=False)
         try:
@@ -256,7 +257,7 @@ class SingleFlightTask(Task):  # type: ignore[misc]  # celery ships no type info
         always written. Returns True if written now. Raises :class:`LeaseLost` once the lease is
         gone, :class:`NotInsideRun` outside a run, :class:`ProgressError` for bad values.
         """
-        guard = self._guard()
+        guard = _guard_of(self)
         if guard is None or guard.lease is None:
             raise NotInsideRun(
                 f"task {self.name}: self.progress() is only available while the task body runs")

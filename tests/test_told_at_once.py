@@ -26,7 +26,7 @@ from celery_singleflight.ops.acl import acl_rule
 from celery_singleflight.protocol.inbox import Told
 from celery_singleflight.protocol.replies import Holder
 from celery_singleflight.run.heartbeat import heartbeat_for
-from celery_singleflight.testing import RedisServer
+from celery_singleflight.testing import RedisServer, binary_server_kind
 
 from .conftest import wait_for
 
@@ -268,7 +268,8 @@ def test_a_user_whose_acl_allows_no_channel_still_supersedes_and_learns_at_the_r
     holder learns it at its next renewal (ttl 1.5 s: a renewal every 0.5 s)."""
     namespace = f"noch-{uuid.uuid4().hex[:6]}"
     user = f"noch-{uuid.uuid4().hex[:6]}"
-    rule = [word for word in acl_rule(namespace, "pw") if not word.startswith("&")]
+    rule = [word for word in acl_rule(namespace, "pw", server=binary_server_kind())
+            if not word.startswith("&")]
     admin = redis.Redis.from_url(redis_server.url)
     admin.execute_command("ACL", "SETUSER", user, *rule)
     beat = None

@@ -136,6 +136,30 @@ def test_a_provisional_member_finds_its_run_by_task_id_on_any_slot() -> None:
     assert verdict_of([held, free], 4000, run)[0] is Verdict.ENDED
 
 
+def test_a_provisional_run_that_adopted_the_key_is_judged_by_its_fence_once_no_record_names_it() -> None:
+    """A parked run handed the key (its provisional member names the handoff token) whose whole
+    worker died between its take and its start, after which two more runs took the key (so no
+    record names it any more, by task id or as the previous run): the fence it adopted the key
+    with (the key's ``adopted`` set) is among the later record's lost fences, so it is LOST, not
+    forgotten as a run that never held the key. Without that fence nothing changes."""
+    run = StartedRun.provisional("k", 1, "t1", "w", "h-1")
+    assert StartedRun.parse(run.member()) == run and run.handoff == "h-1"
+    plain = StartedRun.provisional("k", 1, "t1", "w")
+    assert StartedRun.parse(plain.member()) == StartedRun("k", -1, "t1", 0, "w")
+    later = _record(token="z", fence="30", task_id="t3", deadline="9000", prev_task_id="t2",
+                    prev_outcome="succeeded", lost="10")
+    assert verdict_of([later], 4000, run) == (Verdict.ENDED, 0.0)  # by task id alone: never held
+    assert verdict_of([later], 4000, run, adopted=10)[0] is Verdict.LOST
+    ended = _record(token="z", fence="30", task_id="t3", deadline="9000", prev_task_id="t2",
+                    prev_outcome="succeeded", lost="")
+    assert verdict_of([ended], 4000, run, adopted=10)[0] is Verdict.ENDED
+    # two slots: the other slot's older record tells nothing; the run's slot's later one does
+    other = _record(token="o", fence="5", task_id="t0", deadline="9000")
+    two = StartedRun.provisional("k", 2, "t1", "w", "h-1")
+    assert verdict_of([other, later], 4000, two, adopted=10)[0] is Verdict.LOST
+    assert verdict_of([other], 4000, run, adopted=10)[0] is Verdict.LOST  # no later record: Redis lost it
+
+
 def test_a_fair_runs_second_reservation_is_never_a_second_run() -> None:
     """Given a fair run admitted (its slot reserved) whose reservation ran out while its message was
     slow, when a second copy of its message comes, FAIR_ENTER renews that same reservation

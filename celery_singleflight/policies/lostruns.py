@@ -76,7 +76,7 @@ def watch_take(run: Run, key: str, slots: int) -> None:
     between the take and the run's start leaves it watched. One ``ZADD``; its start replaces it."""
     if not (_waited(run) and watched(run.task)):
         return
-    entry = StartedRun.provisional(key, slots, run.task_id, str(run.request.hostname or ""))
+    entry = StartedRun.provisional(key, slots, run.task_id, str(run.request.hostname or ""), run.handoff)
     try:
         run.task.store.started.enter(entry, run.options.ttl + constants.LOST_RUN_GRACE)
     except redis.RedisError as exc:  # its take meets the same Redis: on_redis_error decides
@@ -161,7 +161,11 @@ class FailLostRuns(Sweep):
         snapshots = iter(self.store.reads.snapshots(wanted))
         for member, entry in entries:
             found = [next(snapshots) for _ in entry.slots]
-            seen, left = verdict_of([record for record, _, _ in found], found[0][2], entry)
+            records = [record for record, _, _ in found]
+            seen, left = verdict_of(records, found[0][2], entry)
+            if seen is Verdict.ENDED and entry.slot < 0 and entry.handoff:
+                # named by no record: if it adopted the key, its fence tells (one more read)
+                seen, left = verdict_of(records, found[0][2], entry, started.adopted(entry))
             if seen is Verdict.LIVE:
                 started.plan(member, left + constants.LOST_RUN_GRACE)
             elif seen is Verdict.ENDED or self.fail(entry):
