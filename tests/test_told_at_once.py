@@ -257,7 +257,8 @@ def test_the_inbox_listens_again_after_its_connection_is_cut(app: Celery) -> Non
         sent = time.monotonic()
         assert sf.force_release(app, key, by="ops") is not None
         assert lease.lease.wait_superseded(TOLD_WITHIN) and time.monotonic() - sent < TOLD_WITHIN
-        assert wait_for(lambda: beat.inbox.heard == heard + 1, timeout=1)  # counted after the wake-up
+        # counted just after the wake-up, by the inbox thread (which a loaded machine may run late)
+        assert wait_for(lambda: beat.inbox.heard == heard + 1, timeout=5)
 
 
 def test_a_user_whose_acl_allows_no_channel_still_supersedes_and_learns_at_the_renewal(
