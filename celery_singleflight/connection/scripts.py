@@ -26,7 +26,7 @@ from redis.sentinel import SentinelConnectionPool
 from .clients import UNREACHABLE, kept_connection, take_connection
 from .targets import is_cluster
 
-__all__ = ["NOSCRIPT_TRIES", "ClientScript", "loading"]
+__all__ = ["NOSCRIPT_TRIES", "ClientScript", "loading", "reloaded"]
 
 _T = TypeVar("_T")
 
@@ -36,15 +36,24 @@ _T = TypeVar("_T")
 NOSCRIPT_TRIES = 5
 
 
-def loading(client: Any, source: Any, call: Callable[[], _T]) -> _T:
-    """``call()``; on NOSCRIPT, ``SCRIPT LOAD`` ``source`` on ``client`` and call again, up to
-    :data:`NOSCRIPT_TRIES` times in all."""
-    for _ in range(NOSCRIPT_TRIES - 1):
-        try:
+def reloaded(client: Any, source: Any, call: Callable[[], _T]) -> _T:
+    """After a NOSCRIPT: ``SCRIPT LOAD`` ``source`` on ``client`` and ``call()`` again, as long as
+    the server keeps forgetting it, :data:`NOSCRIPT_TRIES` calls in all."""
+    for _ in range(NOSCRIPT_TRIES - 2):
+        client.script_load(source)
+        with contextlib.suppress(redis.exceptions.NoScriptError):
             return call()
-        except redis.exceptions.NoScriptError:
-            client.script_load(source)
+    client.script_load(source)
     return call()
+
+
+def loading(client: Any, source: Any, call: Callable[[], _T]) -> _T:
+    """``call()``, and :func:`reloaded` on NOSCRIPT."""
+    try:
+        return call()
+    except redis.exceptions.NoScriptError:
+        return reloaded(client, source, call)
+
 
 #: errors of a call on a Cluster node's own connection that send it again through the cluster client
 _THROUGH_THE_CLUSTER: tuple[type[Exception], ...] = (
@@ -73,7 +82,10 @@ class ClientScript:
             if self.cluster:
                 return self._on_node(keys, args)
             return self._through_redis_py(keys, args)
-        return loading(self.client, self.script.script, lambda: self._evalsha(keys, args))
+        try:  # the hot path: no closure unless Redis forgot the script
+            return self._evalsha(keys, args)
+        except redis.exceptions.NoScriptError:
+            return reloaded(self.client, self.script.script, lambda: self._evalsha(keys, args))
 
     def _through_redis_py(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """redis-py's ``Script`` (which loads a forgotten script once), loading it again as long
@@ -93,7 +105,10 @@ class ClientScript:
         if not self.direct:
             return self._pair_pipelined(keys, args, replicas, timeout_ms)
         connecting = self.send is _send_connecting
-        return loading(self.client, self.script.script, lambda: self._pair(packed, connecting))
+        try:
+            return self._pair(packed, connecting)
+        except redis.exceptions.NoScriptError:
+            return reloaded(self.client, self.script.script, lambda: self._pair(packed, connecting))
 
     def _pair(self, packed: bytes, connecting: bool) -> tuple[Any, int]:
         conn = kept_connection(self.client)

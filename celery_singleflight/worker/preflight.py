@@ -235,7 +235,6 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
     kind: ServerKind | None = None
     loaded: int | None = None
     skew: float | None = None
-    probe_key = server.mark_key(target.tasks[0].options.namespace) if target.tasks else "probe"
     try:
         hello = _safely("HELLO", shown, lambda: server.hello(client)) or {}
         info_refused = False
@@ -256,6 +255,7 @@ def _check_reachable(target: LeaseRedis, client: redis.Redis, shown: str) -> lis
 
         def load() -> int | Finding:
             try:
+                probe_key = server.mark_key(target.tasks[0].options.namespace)  # a LeaseRedis has tasks
                 return server.load_scripts(client, [script.source for script in SCRIPTS], probe_key)
             except redis.exceptions.NoPermissionError as exc:
                 return refusal(target, exc, "for every lease operation")

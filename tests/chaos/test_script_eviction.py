@@ -45,11 +45,8 @@ EXPECTED_NAMED = {("skip", f"{TAG}-s"): 1, ("raise", f"{TAG}-r"): 1, ("queue", f
 @pytest.fixture
 def lease() -> Iterator[RedisServer]:
     """A private lease Redis of this test, stopped by it."""
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.close()
 
 
 class Flusher(threading.Thread):
