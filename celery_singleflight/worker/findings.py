@@ -66,9 +66,9 @@ def _user(url: str) -> str:
         return "default"
 
 
-#: the one subcommand the library sends of each command with subcommands: Redis 6 names only the
+#: the subcommand a start check sends of a command with subcommands: Redis 6 names only the
 #: command in a refusal ("the 'script' command or its subcommand")
-_SENT_SUBCOMMAND = {"script": "script|load", "cluster": "cluster|slots", "client": "client|setinfo"}
+_SENT_SUBCOMMAND = {"script": "script|load"}
 
 
 def _refused_command(exc: BaseException) -> str:
