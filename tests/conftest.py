@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from celery_singleflight.protocol.delayed import WORKERS
 from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.testing import singleflight_redis as singleflight_redis  # the public fixture
 
@@ -34,6 +35,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     answering says why there, and nowhere else."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{report.when}", report)  # start_worker keeps a worker only after a pass
     if report.when != "call" or not report.failed:
         return
     args = getattr(item, "funcargs", {})
@@ -43,6 +45,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             with contextlib.suppress(OSError):
                 tail = "\n".join(worker.log().splitlines()[-60:])
                 report.sections.append((f"log of worker {worker.hostname} (last 60 lines)", tail))
+
+
+#: the modules that take longest (a minute or more of one test process, --durations), sent to
+#: the test processes first so that none is left running alone at the end of the run
+HEAVY_FIRST = (
+    "chaos/test_redis_faults.py", "test_fair_share.py", "test_cli.py", "chaos/test_waiting_windows.py",
+    "test_metrics.py", "chaos/test_soak.py", "test_pause_limits.py", "chaos/test_nothing_lost.py",
+    "test_demo.py", "chaos/test_redis_data_loss.py", "test_told_at_once.py", "test_min_replicas_failover.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        ranks = (n for n, heavy in enumerate(HEAVY_FIRST) if path.endswith(f"/tests/{heavy}"))
+        return next(ranks, len(HEAVY_FIRST))
+    items.sort(key=rank)  # stable: the order within a module, and of the others, is kept
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its count of started workers to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["worker_starts"] = WorkerProcess.starts
+
+
+def pytest_testnodedown(node: Any, error: object) -> None:
+    WorkerProcess.starts += int(getattr(node, "workeroutput", {}).get("worker_starts", 0))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How many Celery workers the run started: each costs about a second of CPU, so this is the
+    figure to keep down (share a worker where a test does not kill, pause or reconfigure it)."""
+    terminalreporter.write_line(f"celery workers started: {WorkerProcess.starts}")
 
 
 @pytest.fixture(scope="session")
@@ -80,15 +116,84 @@ def worker_env(redis_server: RedisServer, **extra: str) -> dict[str, str]:
     return env
 
 
+#: a module that sets ``pytestmark = pytest.mark.share_workers`` lets ``start_worker`` hand its
+#: tests a worker an earlier test of this process started with the same arguments, once that one
+#: is idle again (see :func:`_idle`); ``start_worker(..., fresh=True)`` still starts a new one
+SHARE_MARK = "share_workers"
+
+#: idle workers by their arguments, kept for the rest of this process's tests
+_spare: dict[tuple[Any, ...], list[WorkerProcess]] = {}
+
+
+def _idle(worker: WorkerProcess, app: Any) -> bool:
+    """Whether a test left this worker as a fresh one would be: alive, with all its pool
+    processes, and nothing running, reserved, scheduled (a countdown) or waiting in its queue."""
+    if worker.proc is None or worker.proc.poll() is not None:
+        return False
+    inspect = app.control.inspect(destination=[worker.hostname], timeout=2.0)
+    try:
+        for ask in (inspect.active, inspect.reserved, inspect.scheduled):
+            replies = ask()
+            if not replies or any(replies.get(worker.hostname) or ()):
+                return False
+        with app.connection_for_write() as conn:
+            return int(conn.default_channel.client.llen(worker.queue)) == 0  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a worker that cannot answer is simply not reused
+        return False
+
+
+def _marked_alive(worker: WorkerProcess, sfapp: ModuleType, timeout: float = 5.0) -> bool:
+    """Whether the worker's sweeper has said it is alive since this test emptied the lease db (it
+    does so each second): a fresh worker has, and a test of lost workers must see it so."""
+    store = sfapp.queued.store
+    index = store.layout.index(WORKERS)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(worker.hostname in member.decode() for member in store.client.zrange(index, 0, -1)):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _discard_spares() -> None:
+    for spares in _spare.values():
+        for worker in spares:
+            worker.discard()
+    _spare.clear()
+
+
+@pytest.fixture(scope="session")
+def spare_workers(redis_server: RedisServer) -> Iterator[None]:
+    """Kills the spare workers at the end, before their Redis stops."""
+    yield
+    _discard_spares()
+
+
 @pytest.fixture
-def start_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Callable[..., WorkerProcess]]:
-    """Start real ``celery worker`` subprocesses; all are stopped (then killed) afterwards."""
+def start_worker(
+    request: pytest.FixtureRequest, redis_server: RedisServer, sfapp: ModuleType, spare_workers: None
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start real ``celery worker`` subprocesses; all are killed afterwards (or, in a module
+    marked ``share_workers``, kept for the next test that asks for the same one if idle)."""
     started: list[WorkerProcess] = []
+    lent: dict[int, tuple[Any, ...]] = {}
+    shares = request.node.get_closest_marker(SHARE_MARK) is not None
 
     def start(concurrency: int = 4, pool: str = "prefork", env: dict[str, str] | None = None,
-              extra: tuple[str, ...] = (), wait: bool = True, queue: str | None = None) -> WorkerProcess:
+              extra: tuple[str, ...] = (), wait: bool = True, queue: str | None = None,
+              fresh: bool = False) -> WorkerProcess:
         """Each worker consumes its own queue (``worker.queue``) unless one is given, so tasks
         sent there never reach another test's worker."""
+        spec = (concurrency, pool, tuple(sorted((env or {}).items())), extra)
+        share = shares and wait and queue is None and not fresh
+        while share and _spare.get(spec):
+            worker = _spare[spec].pop()
+            worker.forget_log()  # a test that looks for a line (or its absence) sees only its own
+            if _marked_alive(worker, sfapp):
+                lent[id(worker)] = spec
+                started.append(worker)
+                return worker
+            worker.discard()
         queue = queue or f"q-{uuid.uuid4().hex[:12]}"
         worker = WorkerProcess(
             "sfapp", pool=pool, concurrency=concurrency, cwd=str(TESTS),
@@ -96,25 +201,45 @@ def start_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[Calla
         )
         worker.queue = queue  # type: ignore[attr-defined]
         started.append(worker)
+        if share:
+            lent[id(worker)] = spec
         return worker.start(sfapp.app if wait else None)
 
     start.workers = started  # type: ignore[attr-defined]  # for the failure report's logs
     yield start
+    call = getattr(request.node, "rep_call", None)
+    passed = call is not None and call.passed
     for worker in started:
-        worker.stop(timeout=15)
-        worker.kill()
-        worker.cleanup()
+        spec = lent.get(id(worker))
+        if spec is not None and passed and _idle(worker, sfapp.app):
+            _spare.setdefault(spec, []).append(worker)
+        else:
+            worker.discard()
 
 
 @pytest.fixture(scope="module")
-def shared_worker(redis_server: RedisServer, sfapp: ModuleType) -> Iterator[WorkerProcess]:
-    """One prefork worker (4 processes) shared by a test module."""
-    worker = WorkerProcess("sfapp", concurrency=4, cwd=str(TESTS), env=worker_env(redis_server))
-    worker.start(sfapp.app)
+def shared_worker(
+    redis_server: RedisServer, sfapp: ModuleType, spare_workers: None
+) -> Iterator[WorkerProcess]:
+    """One prefork worker (4 processes) on the default queue, shared by a test module (and by
+    the next module that asks, when this one leaves it idle)."""
+    spec = ("default queue", 4)
+    worker = None
+    while _spare.get(spec) and worker is None:
+        worker = _spare[spec].pop()
+        worker.forget_log()
+        if not _marked_alive(worker, sfapp):
+            worker.discard()
+            worker = None
+    if worker is None:
+        worker = WorkerProcess("sfapp", concurrency=4, cwd=str(TESTS), env=worker_env(redis_server))
+        worker.queue = "celery"  # type: ignore[attr-defined]
+        worker.start(sfapp.app)
     yield worker
-    worker.stop(timeout=15)
-    worker.kill()
-    worker.cleanup()
+    if _idle(worker, sfapp.app):
+        _spare.setdefault(spec, []).append(worker)
+    else:
+        worker.discard()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> Any:
@@ -127,6 +252,25 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+def stays(predicate: Callable[[], Any], seconds: float, interval: float = 0.02) -> None:
+    """Assert that ``predicate`` holds for a whole observation window of ``seconds``, checked
+    every ``interval``: the one honest use of a duration in a test, to show that something does
+    *not* happen (a key is not handed on while paused). Fails as soon as it turns false."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not predicate():
+            raise AssertionError(f"condition broke {seconds - (deadline - time.monotonic()):.2f}s into a "
+                                 f"{seconds}s window")
+        if time.monotonic() > deadline:
+            return
+        time.sleep(interval)
+
+
+def open_gate(redis_server: RedisServer, name: str = "gate") -> None:
+    """Let every task of tests/sfapp.py held at ``name`` go on (see ``sfapp.hold``)."""
+    redis_server.client(3).set(name, 1)
 
 
 @contextlib.contextmanager
@@ -148,9 +292,7 @@ def running_app(module_name: str, env_var: str, concurrency: int = 4) -> Iterato
             worker.start(module.app)
             yield module
         finally:
-            worker.stop(timeout=15)
-            worker.kill()
-            worker.cleanup()
+            worker.discard()
             sys.modules.pop(module_name, None)
             del module
             gc.collect()  # results of this app let go while its Redis still answers (Celery 5.3 retries)

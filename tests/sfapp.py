@@ -52,6 +52,15 @@ def record_run(name: str, key: str, seconds: float) -> None:
         recorder.decr(f"active:{key}")
 
 
+def hold(seconds: float, gate: str = "gate") -> None:
+    """Work for ``seconds``, or until the test opens ``gate`` (``conftest.open_gate``): a holder
+    a test must outlast waits for the test, not for a duration the test hopes is long enough.
+    The recorder db is flushed before each test, so every gate starts closed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not recorder.exists(gate):
+        time.sleep(0.01)
+
+
 @app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="raise")
 def hold_raise(self, key, seconds=0.2):
     record_run("raise", key, seconds)

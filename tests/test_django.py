@@ -51,9 +51,7 @@ def site() -> Iterator[SimpleNamespace]:
             yield SimpleNamespace(app=celery_app, client=Client(), task=build_report, redis=server)
         finally:
             if worker is not None:
-                worker.stop(timeout=15)
-                worker.kill()
-                worker.cleanup()
+                worker.discard()
             previous_app.set_current()
             if str(SITE) in sys.path:
                 sys.path.remove(str(SITE))

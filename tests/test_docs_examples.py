@@ -64,9 +64,7 @@ def samples(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Modu
             worker.start(modules["proj"].app)
             yield modules
         finally:
-            worker.stop(timeout=15)
-            worker.kill()
-            worker.cleanup()
+            worker.discard()
             sys.path.remove(str(EXAMPLES))
             for name in _OURS:
                 sys.modules.pop(name, None)

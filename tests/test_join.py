@@ -14,7 +14,7 @@ from celery_singleflight import ConfigurationError, SingleFlightTask
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def test_twenty_duplicates_all_return_the_holders_result(

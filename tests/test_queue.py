@@ -15,7 +15,7 @@ from celery_singleflight.testing import WorkerProcess
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def order(sfapp: ModuleType, key: str) -> list[int]:

@@ -16,7 +16,7 @@ from celery_singleflight.run.messages import HEADER_SENT
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def _payloads(sfapp: ModuleType, key: str) -> list[int]:

@@ -30,7 +30,7 @@ from celery_singleflight.testing import RedisServer, binary_server_kind
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
+pytestmark = [pytest.mark.server, pytest.mark.share_workers]  # server: also on Redis 6.2 and Valkey 8
 
 #: far below the first renewal (lock_ttl / 3 = 10 s with the default TTL), far above a push
 TOLD_WITHIN = 1.5
@@ -297,7 +297,7 @@ def test_a_user_whose_acl_allows_no_channel_still_supersedes_and_learns_at_the_r
 def test_each_pool_process_listens_before_its_first_task(sfapp: ModuleType, start_worker: Any) -> None:
     """Given a fresh prefork worker with two pool processes and no task sent yet, each pool
     process already subscribes to its inbox: the first lease it will hold is told at once too."""
-    worker = start_worker(concurrency=2)
+    worker = start_worker(concurrency=2, fresh=True)  # a worker that never ran a task
     pid = worker.proc.pid
     children = Path(f"/proc/{pid}/task/{pid}/children")
 

@@ -253,6 +253,10 @@ class WorkerProcess:
     app module reads). ``start()`` returns once the worker answers a ping.
     """
 
+    #: how many workers this process has started (a test suite reports it: each start costs
+    #: about a second of CPU, the first thing to share when a suite grows slow)
+    starts = 0
+
     def __init__(
         self,
         app: str,
@@ -276,8 +280,10 @@ class WorkerProcess:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(tempfile.mkstemp(prefix="sf-worker-", suffix=".log")[1])
+        self._log_from = 0
 
     def start(self, celery_app: Any = None, timeout: float = 60.0) -> WorkerProcess:
+        WorkerProcess.starts += 1
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
@@ -297,7 +303,15 @@ class WorkerProcess:
         raise RuntimeError(f"worker did not become ready in {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """What the worker wrote (since :meth:`forget_log`, if called)."""
+        with self.log_path.open("rb") as file:
+            file.seek(self._log_from)
+            return file.read().decode(errors="replace")
+
+    def forget_log(self) -> None:
+        """From now on :meth:`log` returns only what the worker writes later: a worker shared by
+        several tests shows each only its own lines."""
+        self._log_from = self.log_path.stat().st_size
 
     def children(self) -> list[int]:
         """PIDs of the worker's pool processes (from /proc)."""
@@ -340,6 +354,13 @@ class WorkerProcess:
     def cleanup(self) -> None:
         """Delete the worker's log file (read it with :meth:`log` first if you need it)."""
         self.log_path.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """A test is done with this worker: SIGKILL it and its pool, delete its log. A warm stop
+        would wait for whatever the test left running (a holder of 30 s) and prove nothing; a
+        test that checks the warm stop calls :meth:`stop` itself."""
+        self.kill()
+        self.cleanup()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

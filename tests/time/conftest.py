@@ -48,9 +48,7 @@ def time_workers(redis_server: RedisServer, timeapp: ModuleType) -> Iterator[Cal
 
     yield start
     for worker in started:
-        worker.stop(timeout=15)
-        worker.kill()
-        worker.cleanup()
+        worker.discard()
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +62,7 @@ def debounce_queue(redis_server: RedisServer, timeapp: ModuleType) -> Iterator[s
                            extra=("-Q", queue))
     worker.start(timeapp.app)
     yield queue
-    worker.stop(timeout=15)
-    worker.kill()
-    worker.cleanup()
+    worker.discard()
 
 
 def starts(timeapp: ModuleType, key: str, task: str = "paced") -> list[dict[str, Any]]:
