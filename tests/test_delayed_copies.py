@@ -16,13 +16,14 @@ from celery.canvas import Signature
 
 from celery_singleflight import constants
 from celery_singleflight.connection.clients import redis_client
-from celery_singleflight.protocol.delayed import Claim, ClaimDoneReply, ClaimReply, Resent
+from celery_singleflight.protocol.delayed import DELAYED, Claim, ClaimDoneReply, ClaimReply, Resent
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.messages import HEADER_DELAYED
 from celery_singleflight.testing import RedisServer
 from celery_singleflight.worker.copies import SendCopies, forget_revoked
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
+from .conftest import wait_for
 from .lua_sources import SOURCE
 
 
@@ -41,6 +42,35 @@ def done(store: LeaseStore, key: str, task_id: str, token: str) -> ClaimDoneRepl
 
 def copy(message: str, took: str = "") -> Resent:
     return Resent(message, {}, took)
+
+
+GRACE_MS = constants.LUA_CONSTANTS["DELAYED_GRACE_MS"]
+GONE_MS = constants.LUA_CONSTANTS["WORKER_GONE_AFTER_MS"]
+
+
+def server_ms(store: LeaseStore) -> int:
+    """The server's clock in epoch milliseconds, as the delayed scripts read it."""
+    seconds, micros = store.client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def wait_past(store: LeaseStore, at_ms: float) -> None:
+    """Wait until the server's clock reaches ``at_ms``: from then on the scripts count that due
+    time, grace or patience as over (their own judge, no margin on the client's clock)."""
+    wait_for(lambda: server_ms(store) >= at_ms, timeout=15)
+
+
+def grace_over(store: LeaseStore, due: float | None) -> None:
+    """Wait until a copy due at ``due`` (epoch seconds, as ``delay`` answers it) is past its grace."""
+    assert due is not None
+    wait_past(store, round(due * 1000) + GRACE_MS)
+
+
+def claimed_at(store: LeaseStore, key: str, task_id: str) -> int:
+    """When the run's copy was claimed (epoch ms, the server's clock)."""
+    raw = store.client.hget(store.layout.key(DELAYED, key), task_id)
+    assert raw is not None
+    return int(json.loads(raw)["ca"])
 
 
 def test_the_countdown_message_claims_its_copy_and_a_later_delivery_goes_on(
@@ -72,10 +102,10 @@ def test_a_lost_message_is_sent_again_once_and_only_one_copy_runs(redis_server: 
     lost); once w1 is gone, the copy under a new token. Then whichever copy starts first runs and
     every other copy (the first message coming back after the visibility timeout) is stale."""
     store = _store(redis_server.url + "/2")
-    store.delayed.delay("k", "t2", "tok-a", '{"task": "x"}', 0.1)
+    due = store.delayed.delay("k", "t2", "tok-a", '{"task": "x"}', 0.1)
     store.delayed.touch([("k", "t2", "tok-a")], "w1")
     assert store.delayed.resend("k", "t2", "sweep-1", []) is None  # not due yet: looked at again later
-    time.sleep(0.1 + constants.DELAYED_GRACE + 0.05)
+    grace_over(store, due)
     assert store.delayed.due() == [("k", "t2")]
     assert store.delayed.resend("k", "t2", "sweep-1", ["w1", "w2"]) is None  # w1 holds it
     assert store.delayed.due() == []  # looked at again in a while
@@ -99,12 +129,11 @@ def test_a_message_no_worker_noted_gets_its_copy_a_few_seconds_after_its_due_tim
     noted it): its copy goes DELAYED_UNSEEN_GRACE (a few seconds) after its due time, not sooner."""
     assert constants.DELAYED_UNSEEN_GRACE <= 3.0
     store = _store(redis_server.url + "/2")
-    store.delayed.delay("k", "t5", "tok", "{}", 0.05)
-    time.sleep(0.05 + constants.DELAYED_GRACE + 0.05)
+    grace_over(store, store.delayed.delay("k", "t5", "tok", "{}", 0.05))
     assert store.delayed.resend("k", "t5", "sweep", []) is None
     score = store.client.zscore(store.layout.delays(), '["k", "t5"]')
     assert score is not None and 0 < score / 1000 - time.time() < constants.DELAYED_UNSEEN_GRACE
-    time.sleep(score / 1000 - time.time() + 0.05)
+    wait_past(store, score)  # the time its NOT_DUE answer named
     assert store.delayed.resend("k", "t5", "sweep", []) == copy("{}")
 
 
@@ -128,7 +157,7 @@ def test_lost_replies_of_the_delayed_scripts_change_nothing(redis_server: RedisS
         store = _store(proxy.url(2))
         first_due = store.delayed.delay("k", "t4", "tok", '{"m": 1}', 0.05)
         store.delayed.touch([("k", "t4", "tok")], "gone")
-        time.sleep(0.05 + constants.DELAYED_GRACE + 0.05)
+        grace_over(store, first_due)
         assert store.delayed.resend("k", "t4", "sweep", []) == copy('{"m": 1}')
         assert claim(store, "k", "t4", "tok") != ClaimReply.STALE
         assert claim(store, "k", "t4", "sweep") == ClaimReply.STALE
@@ -146,8 +175,7 @@ def test_a_late_first_message_of_a_run_sent_again_and_delayed_again_is_stale(
     takes a new rate-limit cell and is delayed again (tok-2), which then runs. When tok-0 comes
     back after the visibility timeout it is stale: the run does not run a third time."""
     store = _store(redis_server.url + "/2")
-    store.delayed.delay("k", "t6", "tok-0", "{}", 0.01)
-    time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
+    grace_over(store, store.delayed.delay("k", "t6", "tok-0", "{}", 0.01))
     store.delayed.touch([("k", "t6", "tok-0")], "gone")
     assert store.delayed.resend("k", "t6", "sweep-1", []) is not None
     assert claim(store, "k", "t6", "sweep-1") == ClaimReply.GO_LATE
@@ -164,11 +192,11 @@ def test_a_revoked_delayed_message_leaves_no_copy_to_run(redis_server: RedisServ
     worker's main process claims its copy with that message's token, so no sweeper sends it."""
     task = sfapp.app.tasks[sfapp.queued.name]  # as the worker's signal gets it
     store = task.store
-    store.delayed.delay("q:k", "rv", "tok-rv", "{}", 0.01)
+    due = store.delayed.delay("q:k", "rv", "tok-rv", "{}", 0.01)
     store.delayed.touch([("q:k", "rv", "tok-rv")], "gone#x")
     forget_revoked(task, SimpleNamespace(id="rv", request_dict={HEADER_DELAYED: "tok-rv q:k"}))
     assert not store.delayed.waiting("q:k", "rv")
-    time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
+    grace_over(store, due)  # a copy left would be handed out from now on
     assert store.delayed.resend("q:k", "rv", "sweep", []) is None
 
 
@@ -181,8 +209,7 @@ def test_a_copy_that_cannot_be_sent_does_not_hold_up_the_others(
     store = sfapp.queued.store
     good = json.dumps(dict(sfapp.queued.s("k", 1).set(task_id="good")))
     store.delayed.delay("q:a", "bad", "t1", "{not json", 0.01)
-    store.delayed.delay("q:b", "good", "t2", good, 0.02)
-    time.sleep(0.02 + constants.DELAYED_GRACE + 0.05)
+    grace_over(store, store.delayed.delay("q:b", "good", "t2", good, 0.02))  # the later of the two
     for key, task_id in (("q:a", "bad"), ("q:b", "good")):
         store.delayed.touch([(key, task_id, "t1" if task_id == "bad" else "t2")], "gone#x")
     job = SendCopies(sfapp.app, store, "me#y")
@@ -216,7 +243,7 @@ def test_a_claim_whose_worker_is_gone_is_taken_back_and_its_run_never_starts(
     store.delayed.delay("k", "t9", "tok", '{"m": 9}', 0.0)
     assert claim(store, "k", "t9", "tok", owner="w1#a", lease="L") == ClaimReply.GO
     assert store.delayed.resend("k", "t9", "sweep-1", ["w1#a"]) is None  # just claimed: not yet looked at
-    time.sleep(constants.WORKER_GONE_AFTER + 0.05)
+    wait_past(store, claimed_at(store, "k", "t9") + GONE_MS)
     assert store.delayed.resend("k", "t9", "sweep-1", ["w1#a", "w2#b"]) is None  # w1 is alive: it stands
     assert store.delayed.resend("k", "t9", "sweep-2", ["w2#b"]) == copy('{"m": 9}', took="L")
     assert store.delayed.resend("k", "t9", "sweep-2", ["w2#b"]) == copy('{"m": 9}', took="L")  # a replay
@@ -243,7 +270,7 @@ def test_a_claim_not_done_in_time_is_taken_back_even_while_its_worker_lives(
     entry["ca"] = str(int(entry["ca"]) - int(constants.DELAYED_CLAIM_PATIENCE * 1000) + 300)
     store.client.hset(store.layout.delayed("k"), "t10", json.dumps(entry))
     assert store.delayed.resend("k", "t10", "sweep", ["w1#a"]) is None
-    time.sleep(0.35)
+    wait_past(store, int(entry["ca"]) + constants.LUA_CONSTANTS["DELAYED_CLAIM_PATIENCE_MS"])
     assert store.delayed.resend("k", "t10", "sweep", ["w1#a"]) == copy("{}", took="L")
 
 
@@ -261,7 +288,7 @@ def test_the_sweeper_drops_the_copy_of_a_claimed_run_that_ended(
     store.delayed.delay("q:e", task_id, "tok", message, 0.0)
     assert claim(store, "q:e", task_id, "tok", owner="gone#x") == ClaimReply.GO
     sfapp.app.backend.mark_as_failure(task_id, RuntimeError("worker lost"))
-    time.sleep(constants.WORKER_GONE_AFTER + 0.05)
+    wait_past(store, claimed_at(store, "q:e", task_id) + GONE_MS)  # the claim can be taken back
     store.client.zadd(store.layout.delays(), {json.dumps(["q:e", task_id]): 0})
     assert SendCopies(sfapp.app, store, "me#y").sweep_once() == 0 and sent == []
     assert not store.delayed.waiting("q:e", task_id)

@@ -36,7 +36,7 @@ from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
-from .conftest import IN_CI
+from .conftest import IN_CI, wait_for
 
 PG_DSN = "host=127.0.0.1 port=5432 dbname=test user=postgres"
 DATA_DB = 8
@@ -157,7 +157,8 @@ def test_a_stale_holder_is_refused_after_its_lease_expired(redis_server: RedisSe
     store = LeaseStore(client, KeyLayout(f"{prefix}-ns"))
     target = f"{prefix}:balance"
     first = _acquire(store, "account:1", ttl=0.05)
-    time.sleep(0.1)  # the pause: the first holder's lease runs out
+    # the pause: the first holder's lease runs out (by the server's clock)
+    wait_for(lambda: store.time_left("account:1") is None)
     second = _acquire(store, "account:1", ttl=10)
     assert second.fence > first.fence
     assert fenced_set(client, target, "second's result", second.fence, check=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-import time
 from types import ModuleType
+from typing import Any
 
 import pytest
 from kombu.exceptions import EncodeError
@@ -21,12 +21,20 @@ def test_same_message_five_times_runs_once_with_five_identical_results(
     sfapp: ModuleType, start_worker: object
 ) -> None:
     """Given a message delivered 5 times (the first still running when the second arrives, the
-    rest spread over ~2 s), it runs once and all 5 deliveries return the same result."""
+    rest one after another once it ended), it runs once and all 5 deliveries return the same
+    result."""
     q = start_worker(concurrency=2).queue  # type: ignore[operator]
-    results = []
-    for _ in range(5):
-        results.append(sfapp.handle_message.apply_async(("acme", "m-1", 0.5), queue=q))
-        time.sleep(0.5)
+
+    def deliver() -> Any:
+        return sfapp.handle_message.apply_async(("acme", "m-1", 0.5), queue=q)
+
+    results = [deliver()]
+    wait_for(lambda: sfapp.recorder.llen("runs:acme:m-1") == 1, timeout=15)  # the first runs (0.5 s)
+    results.append(deliver())  # taken by the other pool process while the first still runs
+    results[0].get(timeout=30)
+    for _ in range(3):  # within the window, after the first ended
+        results.append(deliver())
+        results[-1].get(timeout=30)
     values = [r.get(timeout=30) for r in results]
     assert values == [values[0]] * 5
     assert values[0]["reply"] == "handled m-1" and values[0]["ran"] == results[0].id
@@ -40,7 +48,8 @@ def test_after_the_window_the_message_runs_again(sfapp: ModuleType, start_worker
     first = sfapp.handle_short_window.apply_async(("t", "w"), queue=q).get(timeout=15)
     again = sfapp.handle_short_window.apply_async(("t", "w"), queue=q).get(timeout=15)
     assert again == first
-    time.sleep(1.2)
+    marks = sfapp.handle_short_window.store.marks
+    wait_for(lambda: marks.remembered("short:t:w") is None, timeout=10)  # its 1 s window closed
     later = sfapp.handle_short_window.apply_async(("t", "w"), queue=q).get(timeout=15)
     assert later != first and sfapp.recorder.llen("runs:t:w") == 2
 

@@ -53,7 +53,7 @@ from celery_singleflight.testing import RedisServer, binary_server_kind
 from celery_singleflight.worker.preflight import preflight
 from celery_singleflight.worker.sweeper import HandOn, Sweeper
 
-from .conftest import TESTS, wait_for, worker_env
+from .conftest import TESTS, stays, wait_for, worker_env
 
 pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
@@ -98,6 +98,12 @@ def token() -> str:
 
 def names(client: redis.Redis, match: str | None = None) -> set[str]:
     return {raw.decode() for raw in client.scan_iter(match=match, count=1000)}
+
+
+def server_ms(client: redis.Redis) -> int:
+    """The server's clock in epoch milliseconds, as the scripts read it (TIME, in the recommended rule)."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def denied(admin: redis.Redis) -> list[tuple[str, str, str]]:
@@ -223,7 +229,9 @@ def test_two_apps_with_their_own_namespace_never_see_each_other(acl_redis: Redis
 
         assert sf.force_release(app_a, key, by="ops@tenant-a") == "hold-a"
         wait_for(lambda: ha.lost, timeout=5)  # tenant-a's holder learns it from its heartbeat
-        time.sleep(max(0.0, taken + 2.0 - time.monotonic()))  # past hold-b's 1.5 s TTL
+        # held all along, until past hold-b's 1.5 s TTL: renewed, untouched by tenant-a's release
+        window = max(0.0, taken + 2.0 - time.monotonic())
+        stays(lambda: not hb.lost and _held_by(app_b, key, "hold-b"), window)
         st_b = sf.status(app_b, key)
         assert not hb.lost and st_b is not None and st_b.held and st_b.task_id == "hold-b"
         assert st_b.released_by is None and st_b.ttl_left is not None and st_b.ttl_left > 0
@@ -236,6 +244,11 @@ def test_two_apps_with_their_own_namespace_never_see_each_other(acl_redis: Redis
     assert watched_a[-1].kind == "end" and watched_a[-1].state == "force-released"
     assert watched_a[-1].fields.get("by") == "ops@tenant-a"
     assert [e.kind for e in watched_b] == ["end"] and watched_b[-1].state == "succeeded"
+
+
+def _held_by(app: Celery, key: str, task_id: str) -> bool:
+    st = sf.status(app, key)
+    return st is not None and st.held and st.task_id == task_id
 
 
 #: user keys that try to break out of their namespace: braces, separators, glob and control chars
@@ -380,7 +393,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     assert isinstance(store.acquire(key, tok6, 5, Holder("run-6")), Acquired)
     assert isinstance(store.handoff.park(key, "run-7", "handoff-7", '{"parked": 7}', None), Parked)
     assert store.release(key, tok6, ttl=0.1).handoff == '{"parked": 7}'
-    time.sleep(0.15)
+    wait_for(lambda: store.time_left(key) is None)  # run-7's reservation ran out (the server's clock)
     late = store.acquire(key, (tok7 := token()), 5, Holder("run-7"), handoff="handoff-7")
     assert isinstance(late, Acquired) and store.handoff.queued(key) == 0
     assert store.release(key, tok7)
@@ -404,17 +417,19 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     assert store.release(gate, tokf).handoff == '{"fair": 2}'
     assert isinstance(store.acquire(gate, (tokf2 := token()), 5, Holder("f-2"), handoff="ft-2"), Acquired)
     fair.note_run(gate, 0.1)
-    time.sleep(0.02)
-    assert sorted(t for t, _, _ in fair.timed_out(gate, 1, 0.01)) == ["f-3", "f-4"]
+    # each waiter is taken out once it waited 10 ms and kept (answered again) until ended
+    wait_for(lambda: sorted(t for t, _, _ in fair.timed_out(gate, 1, 0.01)) == ["f-3", "f-4"])
     fair.ended_timeout(gate, "f-3")
     fair.ended_timeout(gate, "f-4")
     assert store.release(gate, tokf2) and store.handoff.queued(gate) == 0
 
     # a delayed run keeps a copy: noted as held by a worker, sent again once that worker is gone,
     # claimed by the copy that starts first
-    store.delayed.delay(key, "run-8", "tok-8", '{"delayed": 8}', 0.01)
+    due = store.delayed.delay(key, "run-8", "tok-8", '{"delayed": 8}', 0.01)
     store.delayed.touch([(key, "run-8", "tok-8")], "gone@h")
-    time.sleep(0.01 + constants.DELAYED_GRACE + 0.05)
+    assert due is not None
+    grace_over = round(due * 1000) + constants.LUA_CONSTANTS["DELAYED_GRACE_MS"]
+    wait_for(lambda: server_ms(store.client) >= grace_over)  # by the clock RESEND judges by
     alive = store.delayed.alive("w1@h")
     assert store.delayed.due() == [(key, "run-8")]
     resent = store.delayed.resend(key, "run-8", "sweep-8", alive)
@@ -518,7 +533,10 @@ def test_ping_is_needed_for_the_health_check(acl_redis: RedisServer, admin: redi
     client = redis.Redis.from_url(url, health_check_interval=0.2)
     store = LeaseStore(client, KeyLayout(NS_A))
     assert store.holder_record("k") == {}
-    time.sleep(0.3)
+    idle = client.connection_pool._available_connections
+    assert idle
+    # idle past the interval: redis-py checks each with a PING before its next command
+    wait_for(lambda: all(time.monotonic() > conn.next_health_check for conn in idle))
     with pytest.raises(redis.exceptions.NoPermissionError, match="ping"):
         store.holder_record("k")
     client.close()

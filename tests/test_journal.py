@@ -7,6 +7,7 @@ The whole path (workers, a killed lease Redis) is tests/chaos/test_redis_data_lo
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -36,13 +37,22 @@ from celery_singleflight.run.messages import HEADER_HANDOFF, HEADER_SEQ
 from celery_singleflight.testing import RedisServer
 from celery_singleflight.worker.recovery import Recovery
 
+from .conftest import wait_for
+
 PROCESSES, APPENDS = 6, 150
+PACE = 25  # appends of each process between two rewrites it waits for
 
 
-def _append_many(directory: str, worker: int) -> None:
+def _rewritten(rewrites: Any, times: int) -> bool:
+    return bool(rewrites.value >= times)
+
+
+def _append_many(directory: str, worker: int, rewrites: Any) -> None:
     journal = Journal(directory, "w@host")
     for i in range(APPENDS):
-        time.sleep(0.002)  # spread over a while, so that the rewrites fall between the appends
+        if i and i % PACE == 0:
+            # the rewrites fall between the appends: go on once the journal was rewritten again
+            wait_for(functools.partial(_rewritten, rewrites, i // PACE), timeout=30, interval=0.002)
         journal.append({"kind": "park", "namespace": "sf", "key": f"k{worker}", "task_id": f"{worker}-{i}",
                         "task": "t", "message": "x" * 3000, "at": float(i)})
 
@@ -52,7 +62,8 @@ def test_appends_from_many_processes_while_the_journal_is_rewritten_are_all_kept
     again and again, then every entry appended and not dropped is there, whole, in its order."""
     directory = str(tmp_path / "journal")
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_append_many, args=(directory, w)) for w in range(PROCESSES)]
+    shared = ctx.Value("i", 0)  # rewrites done, which the appenders pace themselves on
+    procs = [ctx.Process(target=_append_many, args=(directory, w, shared)) for w in range(PROCESSES)]
     for proc in procs:
         proc.start()
     journal, dropped, rewrites = Journal(directory, "w@host"), set(), 0
@@ -60,6 +71,7 @@ def test_appends_from_many_processes_while_the_journal_is_rewritten_are_all_kept
         entries = journal.entries()
         gone = [e.line for e in entries if e.task_id.endswith("7")]
         rewrites += journal.drop(gone) > 0
+        shared.value = rewrites
         dropped |= {e.task_id for e in entries if e.task_id.endswith("7")}
     for proc in procs:
         proc.join()

@@ -20,7 +20,7 @@ from celery_singleflight.run.heartbeat import Heartbeat
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import FaultProxy, stall_reply
-from .conftest import wait_for
+from .conftest import stays, wait_for
 from .lua_sources import SOURCE
 
 
@@ -92,7 +92,7 @@ def test_expired_holder_cannot_release_the_next_owner(store: LeaseStore) -> None
     """The celery-once bug: an expired holder's release must not delete the next owner's lease."""
     old = _token()
     store.acquire("k", old, 0.05, Holder("old"))
-    time.sleep(0.1)
+    wait_for(lambda: store.time_left("k") is None)  # run out by the server's clock
     new = _token()
     assert isinstance(store.acquire("k", new, 10, Holder("new")), Acquired)
     assert store.release("k", old).ours is False
@@ -126,7 +126,7 @@ def test_a_redelivery_copy_runs_when_its_own_run_dies_without_releasing(store: L
     store.acquire("k", _token(), 0.2, Holder("run-a"))
     assert store.handoff.park("k", "run-b", "hb", "message-b", 1) is not None
     assert store.handoff.park("k", "run-a", "own-a", "copy-of-a", 1) is not None
-    time.sleep(0.3)
+    wait_for(lambda: store.time_left("k") is None)  # run-a's lease ran out by the server's clock
     resumed = store.handoff.resume("k", 10)
     assert resumed is not None and resumed.handoff == "copy-of-a"
     assert store.holder_record("k")["task_id"] == "run-a" and store.holder_record("k")["token"] == "own-a"
@@ -148,7 +148,7 @@ def test_a_redelivery_copy_is_dropped_by_its_runs_late_release(
     first = store.acquire("k", token, 0.2, Holder("run-a"))
     assert isinstance(first, Acquired)
     store.handoff.park("k", "run-a", "own-a", "copy-of-a", None)
-    time.sleep(0.3)
+    wait_for(lambda: store.time_left("k") is None)  # run-a's lease ran out by the server's clock
     if taken_meanwhile:
         other = store.acquire("k", _token(), 10, Holder("run-z"))
         assert isinstance(other, Held) and other.handoff == "copy-of-a"
@@ -172,7 +172,7 @@ def test_a_redelivery_copy_never_gets_a_second_slot_of_its_running_task(store: L
     assert released.ours and released.handoff == "message-c"
     assert store.holder_record("k", 1)["task_id"] == "run-c"
     assert store.handoff.resume("k", 10, slots=2) is None  # run-a still holds slot 0: the copy waits
-    time.sleep(0.6)
+    wait_for(lambda: store.time_left("k", 0) is None)  # run-a's lease on slot 0 ran out
     resumed = store.handoff.resume("k", 10, slots=2)
     assert resumed is not None and resumed.handoff == "copy-of-a"
     assert store.holder_record("k", 0)["task_id"] == "run-a"
@@ -199,7 +199,7 @@ def test_fences_strictly_increase_across_acquires_and_expiry(store: LeaseStore) 
     got = store.acquire("f", _token(), 0.05, Holder("t"))
     assert isinstance(got, Acquired)
     fences.append(got.fence)
-    time.sleep(0.1)  # the lease expires, nobody releases it
+    wait_for(lambda: store.time_left("f") is None)  # the lease expires, nobody releases it
     got = store.acquire("f", _token(), 10, Holder("t"))
     assert isinstance(got, Acquired)
     fences.append(got.fence)
@@ -292,10 +292,7 @@ def test_heartbeat_keeps_a_lease_alive_for_three_ttls(store: LeaseStore) -> None
     lease = _lease(store, "hb", 0.6, 0.2)
     beat.add(lease)
     try:
-        deadline = time.monotonic() + 1.8
-        while time.monotonic() < deadline:
-            assert store.holder_record("hb"), "the lease expired while the heartbeat ran"
-            time.sleep(0.05)
+        stays(lambda: store.holder_record("hb"), 1.8)  # three TTLs: held all along
         assert not lease.lost
     finally:
         beat.stop()
@@ -383,13 +380,19 @@ def test_the_heartbeat_survives_any_exception_and_keeps_renewing(
         beat.add(broken)
         broken.reporter.submit(ProgressUpdate("a"))
         broken.reporter.submit(ProgressUpdate("b"))  # pending: the heartbeat thread flushes it
-        time.sleep(2.0)  # more than three TTLs
-        assert not healthy.lost and healthy.time_left > 0
+        # more than three TTLs, all along renewed and never lost (`lost` also judges by the clock)
+        stays(lambda: not healthy.lost and healthy.time_left > 0, 2.0)
         assert calls["n"] >= 5
         assert "a renewal round broke" in caplog.text and "a progress hook broke" in caplog.text
     finally:
         store.renew = real_renew  # type: ignore[method-assign]
         beat.stop()
+
+
+def _settled(beat: Heartbeat) -> bool:
+    """Whether the renewer thread waits for its planned look with no wake-up pending: from then on
+    it sleeps a whole tick (no lease is added any more), so its count of wake-ups is final."""
+    return beat._planned != float("inf") and not beat._wake.is_set()
 
 
 def test_a_stream_of_short_leases_does_not_wake_the_heartbeat_each_time(store: LeaseStore) -> None:
@@ -403,7 +406,7 @@ def test_a_stream_of_short_leases_does_not_wake_the_heartbeat_each_time(store: L
             beat.add(lease)
             beat.discard(lease)
             store.release(lease.key, lease.token, fence=lease.fence)
-        time.sleep(0.2)
+        wait_for(lambda: _settled(beat))  # every wake-up the adds caused is counted by now
         assert beat.wakeups <= 2, beat.wakeups
     finally:
         beat.stop()
@@ -422,7 +425,7 @@ def test_a_call_stopped_before_its_reply_leaves_the_next_call_in_step(redis_serv
 
     with FaultProxy(redis_server.port) as proxy:
         store = LeaseStore(redis.Redis.from_url(proxy.url(2)), KeyLayout(f"kept-{uuid.uuid4().hex[:6]}"))
-        proxy.add_rule(stall_reply(1.0), script=SOURCE["ACQUIRE"], nth=1)
+        rule = proxy.add_rule(stall_reply(1.0), script=SOURCE["ACQUIRE"], nth=1)
         previous = signal.signal(signal.SIGALRM, stop)
         try:
             signal.setitimer(signal.ITIMER_REAL, 0.3)
@@ -431,7 +434,12 @@ def test_a_call_stopped_before_its_reply_leaves_the_next_call_in_step(redis_serv
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-        time.sleep(1.0)  # the stalled reply has arrived by now, on whatever connection it was
+        # the proxy holds the stalled reply 1.0 s from the server's answer (its fault's time); past
+        # that it has reached whatever connection it was on. An answer that came only after the
+        # client hung up went with its link: no fault is recorded and no reply will come.
+        if rule.event.wait(timeout=5):
+            released_at = proxy.faults[0].at + 1.0
+            wait_for(lambda: time.monotonic() >= released_at)
         mine = _token()
         got = store.acquire("next", mine, 10, Holder("task-b"))
         assert isinstance(got, Acquired)

@@ -8,7 +8,6 @@ releaser's whole worker was lost: tests/test_orphaned_joined.py.)
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from types import ModuleType
@@ -20,6 +19,8 @@ from celery_singleflight.protocol.replies import Acquired, Holder, Parked
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.messages import HEADER_HANDOFF
 from celery_singleflight.testing import RedisServer
+
+from .conftest import wait_for
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_a_park_sent_again_after_the_key_fell_free_does_not_answer_free(store: L
     store.acquire("k", _token(), 0.2, Holder("holder"))
     handoff = _token()
     assert isinstance(store.handoff.park("k", "p", handoff, '{"m": "p"}', None), Parked)
-    time.sleep(0.3)
+    wait_for(lambda: store.time_left("k") is None)  # the holder's lease ran out (its worker died)
     again = store.handoff.park("k", "p", handoff, '{"m": "p"}', None)
     assert isinstance(again, Parked)
     assert _queue(store, "k") == [f"p|{handoff}".encode()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from types import ModuleType
 
@@ -20,8 +19,17 @@ from celery.result import AsyncResult
 
 from celery_singleflight import LeaseLost, constants
 from celery_singleflight.protocol.replies import Acquired, Holder
+from celery_singleflight.protocol.store import LeaseStore
 from celery_singleflight.worker.bootstep import release_for_ended_child
 from celery_singleflight.worker.sweeper import Sweeper, sweeps_for
+
+from .conftest import wait_for
+
+
+def released_for(store: LeaseStore, key: str, token: str) -> float:
+    """Seconds since the release of ``token`` took the joined runs of ``key`` (the server's clock)."""
+    taken, now_ms = store.handoff.taken_joined(key)
+    return (now_ms - taken[token]) / 1000.0
 
 
 def dead_pid() -> int:
@@ -81,7 +89,7 @@ def test_the_sweeper_answers_them_when_the_whole_worker_died(sfapp: ModuleType) 
     parked = json.dumps(dict(parked_run))
     store.handoff.park(key, "parked-1", uuid.uuid4().hex, parked, None)
     store.release(key, token, "succeeded", 0.2, fence=got.fence, task_id=holder_id)  # reserved 0.2 s
-    time.sleep(0.3)
+    wait_for(lambda: store.time_left(key) is None)  # the reservation ran out (the server's clock)
     store.client.zadd(store.layout.waiting(), {key: 0})  # due now
     assert Sweeper(sfapp.app, sweeps_for(sfapp.app)).sweep_once() == 1
     answered = AsyncResult(joiner, app=sfapp.app)
@@ -112,7 +120,7 @@ def test_the_sweeper_answers_them_when_the_whole_worker_died_with_nothing_parked
     sweeper.sweep_once()
     assert AsyncResult(joiner, app=sfapp.app).state == "JOINED"  # a live releaser may still answer
     assert store.client.zscore(store.layout.waiting(), key) is not None  # looked at again
-    time.sleep(0.6)
+    wait_for(lambda: released_for(store, key, token) >= constants.ANSWER_GRACE)  # as the sweeper counts
     store.client.zadd(store.layout.waiting(), {key: 0})
     sweeper.sweep_once()
     answered = AsyncResult(joiner, app=sfapp.app)

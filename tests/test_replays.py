@@ -9,7 +9,6 @@ replies; it cannot put an event between the two runs.)
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -28,6 +27,8 @@ from celery_singleflight.protocol.replies import Acquired, Held, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run.messages import rejoined
 from celery_singleflight.testing import RedisServer
+
+from .conftest import wait_for
 
 
 @pytest.fixture
@@ -151,7 +152,7 @@ def test_a_copy_of_a_parked_run_whose_lease_ran_out_runs_again(store: LeaseStore
     assert store.handoff.park("k2", "waiter", "h2", '{"m": "waiter"}', None) is not None
     assert store.release("k2", holder).handoff == '{"m": "waiter"}'
     assert isinstance(store.acquire("k2", _token(), 0.05, Holder("waiter"), handoff="h2"), Acquired)
-    time.sleep(0.1)  # its worker died: the lease runs out, nobody releases it
+    wait_for(lambda: store.time_left("k2") is None)  # its worker died: the lease runs out unreleased
     again = store.acquire("k2", _token(), 10, Holder("waiter"), handoff="h2")
     assert isinstance(again, Acquired)
 
@@ -162,7 +163,7 @@ def test_a_duplicate_that_hands_a_dead_holders_key_on_learns_who_died(store: Lea
     worker, task name), so that it sets that run's result (FAILURE, RunLost)."""
     assert isinstance(store.acquire("k3", _token(), 0.05, Holder("dead", "w1@h", "t.dead")), Acquired)
     assert store.handoff.park("k3", "waiter", "h3", '{"m": "waiter"}', None) is not None
-    time.sleep(0.1)
+    wait_for(lambda: store.time_left("k3") is None)  # the dead holder's lease ran out
     got = store.acquire("k3", _token(), 10, Holder("newcomer"))
     assert isinstance(got, Held) and got.handoff == '{"m": "waiter"}'
     assert got.dead is not None and (got.dead.task_id, got.dead.worker, got.dead.task_name) == (
