@@ -57,15 +57,28 @@ def test_a_redelivered_task_does_not_take_a_second_slot_of_its_own_key(
     """Given max_concurrency=2 and a running task, when the broker delivers the same task id again
     (sent here by hand, as in test_policies), then the second delivery does not run on the free
     slot: one body run, and the first delivery's result stands."""
-    q = start_worker(concurrency=3).queue  # type: ignore[operator]
-    first = sfapp.limited_two.apply_async(("self", 2.0), queue=q)
+    worker = start_worker(concurrency=3)  # type: ignore[operator]
+    first = sfapp.limited_two.apply_async(("self", 2.0), queue=worker.queue)
     wait_for(lambda: sfapp.recorder.llen("runs:self") == 1, timeout=20)
-    sfapp.limited_two.apply_async(("self", 2.0), queue=q, task_id=first.id)
+    sfapp.limited_two.apply_async(("self", 2.0), queue=worker.queue, task_id=first.id)
+    turned_away = f"[{first.id}] key='lim:self'"
+    # the second delivery came while the first ran, and was turned away (its copy parked)
+    wait_for(lambda: any(turned_away in line and "redelivery of a running task, not run again" in line
+                         for line in worker.log().splitlines()), timeout=20)
     assert first.get(timeout=30) == 0
-    time.sleep(0.5)
+    key = sfapp.limited_two.render_key("self")
+
+    def settled() -> bool:
+        """The first delivery released: no slot held, nothing parked. Had its release handed the
+        parked copy on instead of dropping it, the copy would hold a slot until it had run (and
+        recorded its run)."""
+        st = sfapp.limited_two.status("self")
+        return (st is None or not st.held) and sfapp.limited_two.store.handoff.queued(key) == 0
+
+    wait_for(settled, timeout=10)
     assert sfapp.recorder.lrange("runs:self", 0, -1) == [first.id.encode()]
     assert sfapp.recorder.llen("overlaps") == 0
-    assert sfapp.limited_two.store.handoff.queued(sfapp.limited_two.render_key("self")) == 0
+    assert sfapp.limited_two.store.handoff.queued(key) == 0
 
 
 def test_bad_limits_are_refused() -> None:

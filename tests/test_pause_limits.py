@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 import celery_singleflight as sf
-from celery_singleflight import RetryAfter, SingleFlightTask, states
+from celery_singleflight import RetryAfter, SingleFlightTask, constants, states
 from celery_singleflight.connection.clients import redis_client
 from celery_singleflight.protocol.lease import RELEASE
 from celery_singleflight.protocol.replies import Acquired, Holder, Settlement
@@ -30,7 +30,7 @@ from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
-from .conftest import ROOT, wait_for, worker_env
+from .conftest import ROOT, stays, wait_for, worker_env
 
 APP_MODULE = "tests.test_pause_limits"
 
@@ -42,11 +42,18 @@ def make_app(base: str) -> Celery:
                     broker_connection_retry_on_startup=True, result_expires=600)
     recorder = redis.Redis.from_url(f"{base}/3")
 
-    def record(key: str, n: int, seconds: float, task_id: str) -> None:
+    def record(key: str, n: int, seconds: float, task_id: str, gate: str | None = None) -> None:
+        """Works ``seconds``; with a ``gate``, until the test sets that recorder key (``seconds``:
+        the cap), so a run the test must see running is still running when it looks."""
         recorder.rpush(f"started:{key}", f"{n} {time.time()} {task_id}")
         active = recorder.incr(f"active:{key}")
         recorder.rpush(f"active-seen:{key}", active)
-        time.sleep(seconds)
+        if gate is None:
+            time.sleep(seconds)
+        else:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not recorder.exists(gate):
+                time.sleep(0.01)
         recorder.decr(f"active:{key}")
         recorder.rpush(f"order:{key}", n)
 
@@ -58,8 +65,8 @@ def make_app(base: str) -> Celery:
 
     @app.task(bind=True, base=SingleFlightTask, name="pl.queued", shared=False, lock_key="p:<key>",
               on_duplicate="queue")
-    def queued(self: Any, key: str, n: int, seconds: float = 0.05) -> int:
-        record(key, n, seconds, self.request.id)
+    def queued(self: Any, key: str, n: int, seconds: float = 0.05, gate: str | None = None) -> int:
+        record(key, n, seconds, self.request.id, gate)
         return n
 
     @app.task(bind=True, base=SingleFlightTask, name="pl.throttled_by_api", shared=False, lock_key="p:<key>",
@@ -125,6 +132,11 @@ def order(recorder: redis.Redis, key: str) -> list[int]:
     return [int(x) for x in recorder.lrange(f"order:{key}", 0, -1)]
 
 
+def running(recorder: redis.Redis, key: str) -> int:
+    """How many runs of ``key`` are in their body now (the recorder's count, not the library's)."""
+    return int(recorder.get(f"active:{key}") or 0)
+
+
 def starts(recorder: redis.Redis, key: str) -> list[tuple[int, float, str]]:
     out = []
     for raw in recorder.lrange(f"started:{key}", 0, -1):
@@ -157,7 +169,11 @@ def test_a_paused_keys_runs_wait_parked_whatever_their_policy_then_run_in_order_
     assert sf.pause(pl, "p:a") is None
     results = [pl.tasks["pl.skipping"].apply_async(("a", n), queue=q) for n in range(5)]
     wait_for(lambda: queued_count(pl, "p:a") == 5, timeout=20)
-    time.sleep(1.5)  # a sweep or two: nothing is handed on while paused
+    # nothing is handed on while paused, for as long as the sweeper takes to look at a key parked
+    # with no holder (RESUME_GRACE, then its next look: SWEEP_INTERVAL): no event marks a look
+    # that finds a paused key, so this is an observation window
+    stays(lambda: recorder.llen("started:a") == 0 and queued_count(pl, "p:a") == 5,
+          constants.RESUME_GRACE + constants.SWEEP_INTERVAL)
     assert order(recorder, "a") == [] and queued_count(pl, "p:a") == 5
     assert {r.state for r in results} == {states.QUEUED}
     assert sf.controls(pl, "p:a")[1] is True
@@ -274,14 +290,19 @@ def test_limit_concurrency_2_lets_two_runs_hold_the_key_and_clear_restores_1(
     q = start(concurrency=4).queue
     set_ = cli(redis_server, "limit", "p:e", "--concurrency", "2")
     assert set_.returncode == 0 and "concurrency 2" in set_.stdout, set_.stderr
-    results = [pl.tasks["pl.queued"].apply_async(("e", n, 0.8), queue=q) for n in range(4)]
+    results = [pl.tasks["pl.queued"].apply_async(("e", n, 30, "gate:e1"), queue=q) for n in range(4)]
+    # two run, held on the gate, and the other two wait parked: the limit let two in, not three
+    wait_for(lambda: running(recorder, "e") == 2 and queued_count(pl, "p:e") == 2, timeout=20)
+    recorder.set("gate:e1", 1)
     assert sorted(r.get(timeout=30) for r in results) == list(range(4))
     seen = [int(x) for x in recorder.lrange("active-seen:e", 0, -1)]
     assert max(seen) == 2, seen
     cleared = cli(redis_server, "limit", "p:e", "--clear")
     assert cleared.returncode == 0 and "cleared" in cleared.stdout, cleared.stderr
     recorder.delete("active-seen:e")
-    results = [pl.tasks["pl.queued"].apply_async(("e", n, 0.3), queue=q) for n in range(4, 7)]
+    results = [pl.tasks["pl.queued"].apply_async(("e", n, 30, "gate:e2"), queue=q) for n in range(4, 7)]
+    wait_for(lambda: running(recorder, "e") == 1 and queued_count(pl, "p:e") == 2, timeout=20)
+    recorder.set("gate:e2", 1)
     assert [r.get(timeout=30) for r in results] == [4, 5, 6]
     assert max(int(x) for x in recorder.lrange("active-seen:e", 0, -1)) == 1
 
@@ -335,7 +356,9 @@ def test_a_rate_set_at_run_time_delays_runs_and_clearing_it_restores_the_tasks_o
     assert times[-1] - times[0] >= 1.3, times  # 3 intervals of 0.5 s
     assert sf.clear_limits(pl, "p:f") is not None
     recorder.delete("started:f")
-    time.sleep(0.6)
+    # the cells of 2/s run half a second past the last run's start: the key's rate state expires
+    # when they are spent, and only then do the task's own 100/s apply to new runs
+    wait_for(lambda: sf.time_status(pl, "p:f").rate is None, timeout=10)
     results = [pl.tasks["pl.rated"].apply_async(("f", n), queue=q) for n in range(4, 8)]
     assert sorted(r.get(timeout=30) for r in results) == list(range(4, 8))
     times = sorted(at for _, at, _ in starts(recorder, "f"))

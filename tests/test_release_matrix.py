@@ -214,17 +214,19 @@ def test_new_policies_leave_nothing_pending(
     """Given a holder and two runs behind it (coalesce: the second replaces the first; supersede:
     both supersede it; ordered: both wait in send order), whichever way the holder ends without
     running its own release (SIGKILL, revoke with terminate, hard time limit) or with its lease
-    Redis cut for 1.5 s, the runs behind it end terminal, the last one sent runs, and nothing is
-    left held or queued."""
+    Redis cut until its worker met the outage, the runs behind it end terminal, the last one sent
+    runs, and nothing is left held or queued."""
     from .chaos.proxy import TcpProxy
 
     task = getattr(sfapp, f"pm_{policy}")
     key = _fresh()
     proxy = None
+    blipped: WorkerProcess | None = None
     queue = None
     if path == "redis-blip":  # the holder's worker reaches its lease Redis through a proxy
         proxy = TcpProxy(redis_server.port).start()
-        queue = start_worker(concurrency=1, env={"SF_TEST_LEASE_REDIS": proxy.url(2)}).queue
+        blipped = start_worker(concurrency=1, env={"SF_TEST_LEASE_REDIS": proxy.url(2)})
+        queue = blipped.queue  # type: ignore[union-attr]
     try:
         options: dict[str, Any] = {"time_limit": 1.5} if path == "time-limit" else {}
         holder = task.apply_async((key, 0, 3.0 if path == "redis-blip" else 30.0), queue=queue, **options)
@@ -237,9 +239,11 @@ def test_new_policies_leave_nothing_pending(
         elif path == "revoked":
             holder.revoke(terminate=True)
         elif path == "redis-blip":
-            assert proxy is not None
+            assert proxy is not None and blipped is not None
             proxy.cut()
-            time.sleep(1.5)
+            # cut until the holder's worker has met the outage (its sweeper looks every second and
+            # logs a look that failed), then healed while the holder still runs
+            wait_for(lambda: "queue sweep failed" in blipped.log(), timeout=15)
             proxy.heal()
         outcomes = []
         for result in behind:

@@ -13,14 +13,33 @@ import pytest
 
 from celery_singleflight import ConfigurationError, SingleFlightTask
 from celery_singleflight.policies.debounce import HEADER_LEADER, Debounce, is_debounced, record
-from celery_singleflight.protocol.store import store_for
+from celery_singleflight.protocol.store import LeaseStore, store_for
 from celery_singleflight.protocol.timing import DueReply
 from celery_singleflight.run.messages import HEADER_SENT
 from celery_singleflight.testing import RedisServer
 
+from ..conftest import wait_for
 from .conftest import starts
 
 pytestmark = pytest.mark.worker
+
+
+def pace(start: float, at: float) -> None:
+    """Until ``at`` seconds after ``start`` (``time.monotonic()``): the calls of a stream come on
+    a schedule, so a slow send does not push the later ones back."""
+    time.sleep(max(0.0, start + at - time.monotonic()))
+
+
+def wait_burst_due(store: LeaseStore, key: str) -> None:
+    """Until the server's clock, which the debounce scripts read, reaches the due time of the
+    open burst of ``key`` (its debounce window has passed)."""
+    client, burst = store.client, store.layout.debounce(key)
+
+    def due() -> bool:
+        seconds, micros = client.time()
+        return int(seconds) * 1000 + int(micros) // 1000 >= int(client.hget(burst, "due"))
+
+    wait_for(due, timeout=10)
 
 
 def test_a_burst_of_50_calls_is_one_run_a_second_after_the_last_with_its_payload(
@@ -31,10 +50,11 @@ def test_a_burst_of_50_calls_is_one_run_a_second_after_the_last_with_its_payload
     SUCCESS as debounced into it."""
     queue = debounce_queue
     results = []
+    start, last_call = time.monotonic(), 0.0
     for n in range(50):
+        pace(start, n * 3 / 49)
+        last_call = time.time()  # the call is recorded (its burst's due time set) during the send
         results.append(timeapp.settled.apply_async(("burst", n), queue=queue))
-        time.sleep(3 / 49)
-    last_call = time.time() - 3 / 49
     assert results[0].get(timeout=15) == 49
     folded = [r.get(timeout=15) for r in results[1:]]
     assert all(is_debounced(f) and f["into"] == results[0].id and f["key"] == "deb:burst" for f in folded)
@@ -51,9 +71,10 @@ def test_a_steady_stream_still_runs_every_max_wait(
     each run has the latest payload of its burst, and every result is ready."""
     queue = debounce_queue
     calls: list[tuple[float, object]] = []
+    start = time.monotonic()
     for n in range(20):
+        pace(start, n * 0.5)
         calls.append((time.time(), timeapp.streamed.apply_async(("s", n), queue=queue)))
-        time.sleep(0.5)
     values = [r.get(timeout=15) for _, r in calls]
     runs = starts(timeapp, "s", "streamed")
     run_ids = {r["task_id"] for r in runs}
@@ -150,7 +171,7 @@ def test_lost_replies_of_the_debounce_scripts_change_nothing(redis_server: Redis
         assert record(store, "k", "b", deb, (2,), {})[0] == "a"
         assert call_rule.faulted == 1 and call_rule.matched == 2
         assert int(store.client.hget(store.layout.debounce("k"), "count")) == 2
-        time.sleep(0.25)
+        wait_burst_due(store, "k")
         store.timing.due("k", "zzz", "nobody", "t0")  # loads the script
         due_rule = proxy.add_rule(DROP_REPLY, script=DEBOUNCE_DUE.source, first_time_only=True)
         due = store.timing.due("k", "a", "a", "t1")
@@ -219,7 +240,7 @@ def test_a_burst_lost_with_the_redis_data_is_recorded_again_with_its_last_call(
         payload = json.dumps({"args": [name], "kwargs": {}})
         due = store.timing.due("k", name, "a", f"t-{name}", sent[name], payload)
         assert due.kind == DueReply.WAIT
-    time.sleep(0.45)
+    wait_burst_due(store, "k")  # the grace of the burst recorded again
     ran = store.timing.due("k", "a", "a", "t2", sent["a"], '{"args": ["a"], "kwargs": {}}')
     assert ran.kind == DueReply.RUN and json.loads(ran.payload)["args"] == ["c"] and ran.calls == 3
     folded = store.timing.due("k", "b", "a", "t3", sent["b"], '{"args": ["b"], "kwargs": {}}')
@@ -242,7 +263,7 @@ def test_a_lost_burst_is_opened_again_by_whichever_call_comes_first(
         payload = json.dumps({"args": [name], "kwargs": {}})
         due = store.timing.due("k", name, "a", f"t-{name}", sent[name], payload, "last", 0.2)
         assert due.kind == DueReply.WAIT
-    time.sleep(0.25)
+    wait_burst_due(store, "k")  # the burst opened again is due
     ran = store.timing.due("k", "a", "a", "t-a", sent["a"], '{"args": ["a"], "kwargs": {}}', "last", 0.2)
     assert ran.kind == DueReply.RUN and json.loads(ran.payload)["args"] == ["c"]
 

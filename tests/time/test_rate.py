@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from celery_singleflight import ConfigurationError, SingleFlightTask
+from celery_singleflight import ConfigurationError, SingleFlightTask, constants
 from celery_singleflight.policies.ratelimit import parse_rate, reserve
 from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
+from ..conftest import wait_for
 from .conftest import starts
 
 FULL = os.environ.get("SF_RATE_FULL") == "1"
@@ -32,6 +33,18 @@ def most_in_window(times: list[float], window: float) -> int:
             j += 1
         best = max(best, i - j + 1)
     return best
+
+
+def wait_late(redis_server: RedisServer, planned: float) -> None:
+    """Until a run planned at ``planned`` (epoch seconds) comes late by more than RATE_LATE: by the
+    server's clock, which the rate script reads (a millisecond more: ``planned`` is rounded)."""
+    client = redis_server.client(2)
+
+    def late() -> bool:
+        seconds, micros = client.time()
+        return int(seconds) + int(micros) / 1_000_000 > planned + constants.RATE_LATE + 0.001
+
+    wait_for(late, timeout=10)
 
 
 def check_paced(timeapp: ModuleType, workers: Callable[..., WorkerProcess], *, n_workers: int, rate: str,
@@ -97,16 +110,19 @@ def test_a_throttled_run_is_retry_with_throttled_meta(
     queue = time_workers(concurrency=2, env={"SF_RATE": "1/s", "SF_BURST": "1"}).queue  # type: ignore[attr-defined]
     first = timeapp.paced.apply_async(("slow", 1), queue=queue)
     second = timeapp.paced.apply_async(("slow", 2), queue=queue)
-    deadline = time.monotonic() + 10
     seen: dict[str, Any] = {}
-    while time.monotonic() < deadline and not (first.ready() and second.ready()):
+
+    def both_ended() -> bool:
+        """Looks at both runs until they are ready, keeping the Throttled meta of a RETRY."""
         for result in (first, second):
             # state and meta from one read: a run that ends between result.state and
             # result.info would pair RETRY with its return value
             meta = result.backend.get_task_meta(result.id)
             if meta["status"] == "RETRY":
-                seen = meta["result"].throttled
-        time.sleep(0.01)
+                seen.update(meta["result"].throttled)
+        return bool(first.ready() and second.ready())
+
+    wait_for(both_ended, timeout=10, interval=0.01)
     assert first.get(timeout=10) == 1 and second.get(timeout=10) == 2
     info = seen
     assert info["key"] == "pace:slow" and info["limit"] == "1/s" and 0 < info["wait"] <= 1.0
@@ -176,7 +192,7 @@ def test_a_lost_reply_of_the_rate_script_does_not_take_two_cells(redis_server: R
 
 
 def test_a_run_late_by_more_than_a_second_takes_a_new_cell_once(redis_server: RedisServer) -> None:
-    """Given 4/s and two runs planned now and 0.25 s later, when both come back 1.3 s late (their
+    """Given 4/s and two runs planned now and 0.25 s later, when both come back over a second late (their
     worker died, Redis was away), they do not start together: the first takes the next free cell
     (now), the second the one after it. A run that comes late a second time keeps its new cell:
     a worker that cannot keep up is not pushed back again and again."""
@@ -185,11 +201,11 @@ def test_a_run_late_by_more_than_a_second_takes_a_new_cell_once(redis_server: Re
     assert rate is not None
     first, second = reserve(store, "k", rate, "a:0"), reserve(store, "k", rate, "b:0")
     assert second.planned - first.planned == pytest.approx(0.25, abs=0.002)
-    time.sleep(1.55)
+    wait_late(redis_server, second.planned)
     again_a, again_b = reserve(store, "k", rate, "a:0"), reserve(store, "k", rate, "b:0")
     assert again_a.fresh and again_b.fresh and again_a.wait == 0
     assert again_b.planned - again_a.planned == pytest.approx(0.25, abs=0.002)
     assert reserve(store, "k", rate, "a:0").planned == again_a.planned  # a replay: the same cell
-    time.sleep(1.3)
+    wait_late(redis_server, again_b.planned)
     late_again = reserve(store, "k", rate, "b:0")
     assert late_again.planned == pytest.approx(again_b.planned, abs=1e-6) and not late_again.fresh

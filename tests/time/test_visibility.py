@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import celery_singleflight as sf
 from celery_singleflight.policies import debounce, ratelimit
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from ..conftest import worker_env
+from ..conftest import wait_for, worker_env
 from .conftest import HERE
 
 
@@ -95,7 +96,15 @@ def test_flower_sees_debounced_and_throttled_runs(
     timeapp.settled.apply_async((key, 2), queue=queue)
     paced = [timeapp.paced.apply_async((key, n), queue=queue) for n in range(2)]
     assert leader.get(timeout=20) == 2 and sorted(r.get(timeout=20) for r in paced) == [0, 1]
-    time.sleep(1.0)  # the last events reach the receiver
+
+    def all_seen() -> bool:
+        task = state.tasks.get(leader.id)
+        return ("DEBOUNCED" in seen.get(leader.id, set()) and task is not None and task.state == "SUCCESS"
+                and any("RETRY" in seen.get(r.id, set()) for r in paced))
+
+    # the last events reach the receiver; if they never do, the asserts below say which is missing
+    with contextlib.suppress(AssertionError):
+        wait_for(all_seen, timeout=10)
     receivers[0].should_stop = True
     thread.join(5)
     assert not thread.is_alive()
