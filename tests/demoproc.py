@@ -45,14 +45,19 @@ class Demo:
             preexec_fn=_child_setup(),
         )
         self.lines: list[str] = []
+        self.url = ""
+        self._url_or_end = threading.Event()  # the URL was printed, or the output ended without it
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.url = ""
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            if not self.url and (found := _URL.search(line)):
+                self.url = found.group(1).rstrip("/")
+                self._url_or_end.set()
+        self._url_or_end.set()
 
     @property
     def output(self) -> str:
@@ -60,17 +65,10 @@ class Demo:
 
     def wait_url(self, timeout: float = 90.0) -> str:
         """The URL the demo prints once the worker, beat and the web app are up."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines:
-                found = _URL.search(line)
-                if found:
-                    self.url = found.group(1).rstrip("/")
-                    return self.url
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"the demo printed no URL:\n{self.output}")
+        self._url_or_end.wait(timeout)
+        if not self.url:
+            raise AssertionError(f"the demo printed no URL:\n{self.output}")
+        return self.url
 
     def descendants(self) -> dict[int, int]:
         """{pid: start time} of every process below the demo (Redis, worker and its pool, beat)."""
@@ -155,4 +153,4 @@ def wait_result(base: str, task_id: str, timeout: float = 60.0) -> dict[str, Any
             return body
         if time.monotonic() > deadline:
             raise AssertionError(f"task {task_id} still {body} after {timeout}s")
-        time.sleep(0.2)
+        time.sleep(0.2)  # the next look

@@ -10,7 +10,6 @@ import dataclasses
 import importlib.util
 import json
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,8 +50,25 @@ def comparable(st: KeyStatus | None) -> dict[str, Any] | None:
     return out
 
 
-async def collect(events: AsyncIterator[WatchEvent]) -> list[WatchEvent]:
-    return [event async for event in events]
+async def collect(
+    events: AsyncIterator[WatchEvent], first: threading.Event | None = None
+) -> list[WatchEvent]:
+    """Every event of an asyncio watch; ``first`` is set once the watch yielded one (it is following)."""
+    out: list[WatchEvent] = []
+    async for event in events:
+        out.append(event)
+        if first is not None:
+            first.set()
+    return out
+
+
+def follow(events: Iterator[WatchEvent], first: threading.Event) -> list[WatchEvent]:
+    """Every event of a blocking watch; ``first`` is set once the watch yielded one."""
+    out: list[WatchEvent] = []
+    for event in events:
+        out.append(event)
+        first.set()
+    return out
 
 
 # -- the same answers as the blocking reads -------------------------------------------------------
@@ -186,9 +202,14 @@ def test_the_same_answers_over_tls_sentinel_and_cluster(
         with sf.hold(app, key, ttl=10) as lease:
             lease.progress("loading", current=1, total=2)
             assert comparable(asyncio.run(sf.astatus(app, key))) == comparable(sf.status(app, key))
-            blocking = pool.submit(lambda: list(sf.watch(app, key, timeout=20)))
-            asynchronous = pool.submit(lambda: asyncio.run(collect(sf.awatch(app, key, timeout=20))))
-            time.sleep(0.3)
+            following = [threading.Event(), threading.Event()]
+            blocking = pool.submit(lambda: follow(sf.watch(app, key, timeout=20), following[0]))
+            asynchronous = pool.submit(
+                lambda: asyncio.run(collect(sf.awatch(app, key, timeout=20), following[1])))
+            # both watchers read the held key and its first report before the second one comes
+            wait_for(lambda: all(seen.is_set() or watch.done()
+                                 for seen, watch in zip(following, (blocking, asynchronous), strict=True)),
+                     timeout=20)
             lease.progress("loading", current=2, total=2)
         events = asynchronous.result(timeout=20)
         assert events == blocking.result(timeout=20)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import IN_CI
+from .conftest import IN_CI, wait_for
 from .demoproc import Demo, alive
 
 pytestmark = pytest.mark.worker
@@ -81,8 +81,12 @@ def test_progress_page_shows_a_running_task(browser: Any, tmp_path: Path) -> Non
                 details.append(detail)
                 if len(details) == 10:
                     browser.save_screenshot(str(tmp_path / "running.png"))
-            time.sleep(0.1)
-        time.sleep(0.3)  # the bar's width transition
+            time.sleep(0.1)  # the next sample of the bar
+        # the bar's width transition ended: the fill is drawn full, with no animation running
+        wait_for(lambda: browser.execute_script(
+            "const f = arguments[0].querySelector('.fill'), t = arguments[0].querySelector('.track');"
+            " return f.getAnimations().length === 0"
+            " && f.getBoundingClientRect().width >= t.getBoundingClientRect().width - 0.5;", bar), timeout=10)
         browser.save_screenshot(str(tmp_path / "finished.png"))
 
         # two runs, one after the other; each bar advanced, never backwards, up to 100

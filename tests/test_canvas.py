@@ -9,8 +9,7 @@ result. docs/canvas.md is the table of what these tests show.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -22,7 +21,7 @@ from celery.result import AsyncResult
 from celery_singleflight import LockHeld, is_skipped
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import TESTS, wait_for, worker_env
+from .conftest import TESTS, stays, wait_for, worker_env
 
 pytestmark = pytest.mark.worker
 
@@ -73,14 +72,9 @@ def events(sfapp: ModuleType) -> list[str]:
     return [raw.decode() for raw in sfapp.recorder.lrange("runs", 0, -1)]
 
 
-def stays(predicate: Callable[[], Any], seconds: float = 0.5) -> bool:
-    """True if ``predicate`` stays truthy for ``seconds`` (used to show that something never runs)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not predicate():
-            return False
-        time.sleep(0.05)
-    return True
+#: how long a test watches a link or chord body that must not run (again): no later event proves
+#: it never will, and a wrongly sent one would start well within this on the idle 6-process worker
+NEVER_RUNS = 0.5
 
 
 # -- chain ----------------------------------------------------------------------------------------
@@ -107,7 +101,7 @@ def test_chain_raise_stops_the_chain_with_lock_held_and_calls_link_error(
     errors = wait_for(lambda: sfapp.recorder.lrange("canvas:errors", 0, -1), timeout=10)
     assert [json.loads(e) for e in errors] == [{"id": dup.id, "error": "LockHeld"}]
     holder.get(timeout=15)
-    assert stays(lambda: seen(sfapp, "after") == [])
+    stays(lambda: seen(sfapp, "after") == [], NEVER_RUNS)
     assert runs(sfapp, "craise") == [holder.id]
 
 
@@ -192,7 +186,7 @@ def test_chain_join_passes_the_holders_error_on_and_stops_the_chain(sfapp: Modul
     with pytest.raises(ValueError, match="holder failed on cjerr"):
         holder.get(timeout=5)
     assert dup.state == "FAILURE"
-    assert stays(lambda: seen(sfapp, "after") == [])
+    stays(lambda: seen(sfapp, "after") == [], NEVER_RUNS)
     assert runs(sfapp, "cjerr") == [holder.id]
 
 
@@ -307,7 +301,7 @@ def test_chord_of_joined_duplicates_gets_the_holders_result_four_times(sfapp: Mo
 
     expected = {"value": "first", "ran": holder.id}
     assert result.get(timeout=20) == [expected] * 4
-    assert stays(lambda: collected(sfapp, "body") == [[expected] * 4])  # the body ran once
+    stays(lambda: collected(sfapp, "body") == [[expected] * 4], NEVER_RUNS)  # the body ran once
     assert runs(sfapp, "chj") == [holder.id]
 
 
@@ -322,7 +316,7 @@ def test_chord_of_queued_members_runs_the_body_after_all_ran(sfapp: ModuleType, 
 
     assert result.get(timeout=30) == [1, 2, 3, 4]
     assert holder.get(timeout=5) == 0
-    assert stays(lambda: collected(sfapp, "body") == [[1, 2, 3, 4]])
+    stays(lambda: collected(sfapp, "body") == [[1, 2, 3, 4]], NEVER_RUNS)
     log = events(sfapp)
     assert log[-1] == "collect:body" and sum(e.startswith("queue:chq:") for e in log) == 5
     assert sfapp.recorder.llen("overlaps") == 0
@@ -380,5 +374,5 @@ def test_chord_with_a_raised_member_fails_without_running_the_body(sfapp: Module
     wait_for(lambda: body.state == "FAILURE", timeout=10)
     assert isinstance(body.result, ChordError) and "LockHeld" in str(body.result)
     holder.get(timeout=15)
-    assert stays(lambda: collected(sfapp, "body") == [])
+    stays(lambda: collected(sfapp, "body") == [], NEVER_RUNS)
     assert runs(sfapp, "chx") == [holder.id]

@@ -5,7 +5,6 @@ examples with only the import changed) on a real worker, and what its ``once`` o
 from __future__ import annotations
 
 import pickle
-import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -19,7 +18,7 @@ from celery_singleflight.compat import AlreadyQueued, QueueOnce
 from celery_singleflight.compat.shared import NotSupported
 from celery_singleflight.testing import RedisServer
 
-from .conftest import running_app, wait_running
+from .conftest import running_app, wait_for, wait_running
 
 #: also run against the lowest and highest Celery and redis-py (make test)
 pytestmark = pytest.mark.core
@@ -444,9 +443,7 @@ def test_a_run_revoked_or_expired_in_the_queue_frees_its_key(onceapp: ModuleType
         return all(onceapp.slow_add.store.marks.enqueued(onceapp.slow_add.render_key(a, 0))[0] is None
                    for a in (7, 8))
 
-    deadline = time.monotonic() + 15
-    while not both_free() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(both_free, timeout=15)
     later, later_revoked = onceapp.slow_add.delay(7, 1), onceapp.slow_add.delay(8, 1)  # sent, not refused
 
     assert later.id != expired.id and later_revoked.id != revoked.id
@@ -456,15 +453,14 @@ def test_a_run_revoked_or_expired_in_the_queue_frees_its_key(onceapp: ModuleType
 @pytest.mark.worker
 def test_a_run_waiting_to_retry_keeps_its_key_until_its_last_retry_fails(onceapp: ModuleType) -> None:
     first = onceapp.always_retry.delay(1)
-    deadline = time.monotonic() + 10
-    while first.state != "RETRY" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: first.state == "RETRY", timeout=10)
 
     with pytest.raises(AlreadyQueued) as during:
         onceapp.always_retry.delay(1)  # its retry is queued: one queued or running, not two
     with pytest.raises(MaxRetriesExceededError):
         first.get(timeout=20)
-    time.sleep(0.2)
+    # Celery stores the failure just before the run's release ends its lease
+    wait_for(lambda: (st := onceapp.always_retry.status(1)) is not None and not st.held, timeout=10)
     ended = onceapp.always_retry.status(1)  # recorded as what happened: no retry was sent
     assert ended is not None and (ended.task_id, ended.outcome) == (first.id, "failed")
     after = onceapp.always_retry.delay(1)  # the final retry failed: the key is free

@@ -4,7 +4,6 @@ Redis, a worker, beat and the web app; the tests use it over HTTP and stop it wi
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -62,7 +61,9 @@ def test_demo_end_to_end(demo_started: list[Demo]) -> None:
     for text in ("one", "two", "three"):
         delivery = {"conversation": "bob", "delivery_id": f"b-{text}", "text": text}
         burst.append(post(f"{base}/webhook", delivery))
-        time.sleep(0.2)
+        # each message reaches the key (runs, or is parked behind the one before) before the next
+        # is sent: their order is the order they were sent in
+        wait_for(lambda: get(f"{base}/result/{burst[-1]['task_id']}")["state"] != "PENDING", timeout=15)
 
     # the status of a key, by the task's arguments, while the first sync runs and the second waits
     st = wait_for(lambda: (s := get(f"{base}/status/sync_queue/1")["status"]) and s["queued"] == 1

@@ -15,7 +15,7 @@ import pytest
 import celery_singleflight as sf
 from celery_singleflight import QueueTimeout, RunLost, constants, states
 from celery_singleflight.connection.clients import redis_client
-from celery_singleflight.protocol.fair import Admitted, Waiting
+from celery_singleflight.protocol.fair import FAIR_SINCE, Admitted, Waiting
 from celery_singleflight.protocol.handoff import WAITING
 from celery_singleflight.protocol.replies import Acquired, Holder
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
@@ -25,6 +25,14 @@ from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import wait_for
 from .lua_sources import SOURCE
 from .test_cli import run_cli
+
+
+def parked_for(store: LeaseStore, gate: str) -> float:
+    """Seconds since the last run parked at ``gate``, by the server's clock."""
+    client = store.ctx.client
+    [(_, at_ms)] = client.zrange(store.ctx.layout.key(FAIR_SINCE, gate), -1, -1, withscores=True)
+    seconds, micros = client.time()
+    return seconds + micros / 1e6 - at_ms / 1000
 
 
 def started(sfapp: ModuleType) -> list[tuple[str, int, float]]:
@@ -42,9 +50,14 @@ def test_a_light_tenant_is_served_in_turn_behind_a_heavy_burst(
     """Given tenant A's 40 runs sent first and tenant B's 5 after them, B's runs start in turn
     with A's (round robin), not after all of A's; never more than 2 run at once; every run runs once."""
     q = start_worker(concurrency=4).queue  # type: ignore[operator]
-    heavy = [sfapp.fair_job.apply_async(("A", n, 0.05), queue=q) for n in range(40)]
+    # A's first two hold both slots until B's five are parked too: the order is the fair queue's,
+    # not how many of A's 0.05 s runs went by while this process was sending B's
+    heavy = [sfapp.fair_job.apply_async(("A", n, 30.0), {"until": "fair:burst:go"}, queue=q) if n < 2
+             else sfapp.fair_job.apply_async(("A", n, 0.05), queue=q) for n in range(40)]
     wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
     light = [sfapp.fair_job.apply_async(("B", n, 0.05), queue=q) for n in range(5)]
+    wait_for(lambda: all(r.state == states.QUEUED for r in light), timeout=15)
+    sfapp.recorder.set("fair:burst:go", "1")
     assert [r.get(timeout=60) for r in light] == [f"B:{n}" for n in range(5)]
     assert [r.get(timeout=60) for r in heavy] == [f"A:{n}" for n in range(40)]
     runs = started(sfapp)
@@ -67,14 +80,17 @@ def test_a_copy_of_a_running_runs_message_is_dropped(sfapp: ModuleType, start_wo
     having run once."""
     worker = start_worker(concurrency=4)  # type: ignore[operator]
     q = worker.queue
-    running = sfapp.fair_job.apply_async(("A", 0, 3.0), queue=q)
-    other = sfapp.fair_job.apply_async(("B", 0, 3.0), queue=q)
+    # both run until the test has looked (30 s at most)
+    go = {"until": "fair:copy:go"}
+    running = sfapp.fair_job.apply_async(("A", 0, 30.0), go, queue=q)
+    other = sfapp.fair_job.apply_async(("B", 0, 30.0), go, queue=q)
     wait_for(lambda: sfapp.recorder.llen("fair:started") == 2, timeout=15)
-    copy = sfapp.fair_job.apply_async(("A", 0, 3.0), queue=q, task_id=running.id)
+    copy = sfapp.fair_job.apply_async(("A", 0, 30.0), go, queue=q, task_id=running.id)
     assert copy.id == running.id
     wait_for(lambda: "copy of its message is dropped" in worker.log() or "LockHeld" in worker.log(),
              timeout=15)
     assert running.state != "FAILURE"
+    sfapp.recorder.set("fair:copy:go", "1")
     assert running.get(timeout=15) == "A:0" and other.get(timeout=15) == "B:0"
     assert sum(1 for s in sfapp.recorder.lrange("fair:started", 0, -1) if s.startswith(b"A:0:")) == 1
 
@@ -82,10 +98,14 @@ def test_a_copy_of_a_running_runs_message_is_dropped(sfapp: ModuleType, start_wo
 @pytest.mark.worker
 def test_weight_two_gets_twice_the_share(sfapp: ModuleType, start_worker: object) -> None:
     q = start_worker(concurrency=4).queue  # type: ignore[operator]
-    first = [sfapp.fair_job.apply_async(("block", n, 0.3), queue=q) for n in range(2)]
+    # both slots held until all 24 are parked ("while both wait"), not for a time that hopes so
+    first = [sfapp.fair_job.apply_async(("block", n, 30.0), {"until": "fair:block:go"}, queue=q)
+             for n in range(2)]
     wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
     results = [sfapp.fair_job.apply_async((t, n, 0.02), queue=q)
                for n in range(12) for t in ("single", "double")]
+    wait_for(lambda: all(r.state == states.QUEUED for r in results), timeout=15)
+    sfapp.recorder.set("fair:block:go", "1")
     for r in [*first, *results]:
         r.get(timeout=60)
     order = [t for t, _, _ in started(sfapp) if t in ("single", "double")]
@@ -148,12 +168,16 @@ def test_waiting_runs_hold_no_pool_process(sfapp: ModuleType, start_worker: obje
     parked by its main process at once (QUEUED, in order), not left in the broker until a pool
     process frees: the backlog drains at parking speed."""
     q = start_worker(concurrency=2).queue  # type: ignore[operator]
-    first = [sfapp.fair_job.apply_async(("busy", n, 2.0), queue=q) for n in range(2)]
+    # both pool processes run until the test has looked (30 s at most): a run left in the broker
+    # until a pool process frees could not be QUEUED before that
+    first = [sfapp.fair_job.apply_async(("busy", n, 30.0), {"until": "fair:busy:go"}, queue=q)
+             for n in range(2)]
     wait_for(lambda: sfapp.recorder.llen("fair:started") >= 2, timeout=15)
     waiting = [sfapp.fair_job.apply_async(("busy", n, 0.01), queue=q) for n in range(2, 14)]
-    wait_for(lambda: all(r.state == states.QUEUED for r in waiting), timeout=1.5)
+    wait_for(lambda: all(r.state == states.QUEUED for r in waiting), timeout=15)
     assert sfapp.recorder.llen("fair:started") == 2  # both pool processes still on the first two
     assert [r.info["position"] for r in waiting] == list(range(1, 13))
+    sfapp.recorder.set("fair:busy:go", "1")
     for r in [*first, *waiting]:
         r.get(timeout=30)
     ran = [n for _, n, _ in started(sfapp)][2:]
@@ -284,8 +308,8 @@ def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_b
             assert isinstance(parked, Waiting) and parked.position == n + 1
         assert writes == [gate] and client.zscore(index, gate) is not None
         # the queue empties (each run taken out, as for queue_timeout); the sweeper drops the gate
-        time.sleep(0.01)
-        assert len(fair.timed_out(gate, 2, 0.0)) == 20
+        # (a run taken out is found again until it is ended: a second look finds the same 20)
+        wait_for(lambda: len(fair.timed_out(gate, 2, 0.0)) == 20, timeout=10)
         assert store.handoff.queued(gate) == 0
         assert store.handoff.resume(gate, 10, 2) is None
         assert client.zscore(index, gate) is None
@@ -308,7 +332,9 @@ def test_a_sweeper_that_dies_after_taking_a_run_out_leaves_it_to_the_next(redis_
             assert isinstance(fair.enter(gate, 1, task_id, f"tok-{task_id}", json.dumps({"id": task_id}),
                                          "A", 1.0, 10), Waiting)
         assert _hand_on(store, gate, "run-h", 1) == "w1"  # w1's slot is reserved: it stays
-        time.sleep(0.05)
+        # w2 has waited 50 ms by the server's clock (the one queue_timeout is judged by): one
+        # sweep then takes it out, and that sweep's reply is the one lost
+        wait_for(lambda: parked_for(store, gate) >= 0.05, timeout=10, interval=0.005)
         first = fair.timed_out(gate, 1, 0.01)
         assert [(t, f) for t, _, f in first] == [("w2", "A")] and first[0][1] >= 0.05
         assert len(proxy.faults) == 1

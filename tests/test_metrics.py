@@ -29,7 +29,7 @@ from celery_singleflight.metrics.catalog import SERIES, markdown_table
 from celery_singleflight.metrics.record import FLUSH_AFTER
 from celery_singleflight.testing import free_port
 
-from .conftest import IN_CI, ROOT, TESTS, wait_for, worker_env
+from .conftest import IN_CI, ROOT, TESTS, stays, wait_for, worker_env
 
 pytestmark = pytest.mark.worker
 PROMETHEUS = shutil.which("prometheus")
@@ -406,11 +406,11 @@ def test_a_flush_at_exit_waits_for_a_timer_write_in_flight(monkeypatch: pytest.M
     record.start_recording(None)
     try:
         family = record._families["leases_acquired"]
-        labels, taking = family.labels, threading.Event()
+        labels, taking, go = family.labels, threading.Event(), threading.Event()
 
         def slow_labels(*values: str) -> Any:
             taking.set()
-            time.sleep(0.3)  # the timer's write, half done
+            assert go.wait(10)  # the timer's write, half done until the test lets it go on
             return labels(*values)
 
         monkeypatch.setattr(family, "labels", slow_labels)
@@ -418,9 +418,21 @@ def test_a_flush_at_exit_waits_for_a_timer_write_in_flight(monkeypatch: pytest.M
         timer = threading.Thread(target=record.flush)
         timer.start()
         assert taking.wait(5)
-        record.flush()  # the exit's flush
-        assert labels("t", "skip")._value.get() == 1
-        timer.join()
+        seen: list[float] = []  # the count once the exit's flush returned
+
+        def exit_flush() -> None:
+            record.flush()
+            seen.append(labels("t", "skip")._value.get())
+
+        exiting = threading.Thread(target=exit_flush)
+        exiting.start()
+        try:
+            stays(exiting.is_alive, 0.3)  # the exit's flush waits while the write is in flight...
+        finally:
+            go.set()
+            exiting.join(10)
+            timer.join(10)
+        assert seen == [1]  # ...and returns once it is whole
     finally:
         record.stop_recording()
 
@@ -437,11 +449,11 @@ def test_a_fork_waits_for_a_write_in_flight(monkeypatch: pytest.MonkeyPatch) -> 
     record.start_recording(None)
     try:
         family = record._families["leases_acquired"]
-        labels, taking = family.labels, threading.Event()
+        labels, taking, go = family.labels, threading.Event(), threading.Event()
 
         def slow_labels(*values: str) -> Any:
             taking.set()
-            time.sleep(0.3)
+            assert go.wait(10)  # the write, half done until the test lets it go on
             return labels(*values)
 
         monkeypatch.setattr(family, "labels", slow_labels)
@@ -449,12 +461,25 @@ def test_a_fork_waits_for_a_write_in_flight(monkeypatch: pytest.MonkeyPatch) -> 
         writer = threading.Thread(target=record.flush)
         writer.start()
         assert taking.wait(5)
-        pid = os.fork()
-        if pid == 0:  # the child: the write it was forked beside is whole
-            os._exit(0 if labels("t", "skip")._value.get() == 1 else 1)
-        _, status = os.waitpid(pid, 0)
-        writer.join()
-        assert os.waitstatus_to_exitcode(status) == 0
+        forked: list[int] = []
+
+        def fork() -> None:  # on a thread of its own: this one watches it wait
+            pid = os.fork()
+            if pid == 0:  # the child: the write it was forked beside is whole
+                os._exit(0 if labels("t", "skip")._value.get() == 1 else 1)
+            forked.append(pid)
+
+        forking = threading.Thread(target=fork)
+        forking.start()
+        try:
+            # the fork waits while the write is in flight (its wait is bounded at 2 s)...
+            stays(lambda: not forked, 0.3)
+        finally:
+            go.set()
+            forking.join(10)
+            writer.join(10)
+            statuses = [os.waitpid(pid, 0)[1] for pid in forked]
+        assert [os.waitstatus_to_exitcode(status) for status in statuses] == [0]  # ...the child sees it whole
     finally:
         record.stop_recording()
 

@@ -10,7 +10,6 @@ them, in any order of the two.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any
 
@@ -23,6 +22,7 @@ from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
+from .conftest import wait_for
 from .lua_sources import SOURCE
 
 #: fields that differ from run to run (times, tokens, ids): compared by what they stand for
@@ -59,7 +59,7 @@ def _runs(store: LeaseStore, key: str, general: bool, count: int, *, expire_firs
         raw, running = _record(store, key)
         assert raw.startswith(b"{ "), "a plain run's record is one the plain path may read"
         if expire_first and i == 0:
-            time.sleep(0.3)
+            wait_for(lambda: store.time_left(key) is None, timeout=10, interval=0.01)  # its 0.2 s ran out
             found.append((running, {}, [token, task_id], [got.fence]))
             continue
         settled = store.release(key, token, "failed" if i == 2 else "succeeded", fence=got.fence,
@@ -133,7 +133,7 @@ def test_a_late_release_of_a_lost_lease_does_not_touch_the_next_plain_run(store:
     """A run whose lease ran out and whose key a plain run took since cannot release that run."""
     old, new = uuid.uuid4().hex, uuid.uuid4().hex
     first = store.acquire("acct:4", old, 0.2, Holder("task-old"))
-    time.sleep(0.3)
+    wait_for(lambda: store.time_left("acct:4") is None, timeout=10, interval=0.01)  # its 0.2 s ran out
     second = store.acquire("acct:4", new, 10, Holder("task-new"))
     assert isinstance(first, Acquired) and isinstance(second, Acquired)
     assert not store.release("acct:4", old, fence=first.fence).ours

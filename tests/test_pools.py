@@ -24,7 +24,7 @@ from celery_singleflight.errors import ConfigurationError
 from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.worker.pools import check_pool, pool_name
 
-from .conftest import TESTS, wait_for, worker_env
+from .conftest import TESTS, stays, wait_for, worker_env
 
 pytestmark = [pytest.mark.worker, pytest.mark.core]
 
@@ -62,10 +62,10 @@ def test_a_guarded_run_on_each_supported_pool(
         raised.get(timeout=15)
     assert is_skipped(skipped.get(timeout=15))
 
-    # the run's first TTL ends 1.5 s after it took the key: only renewals keep it held after that
-    while time.monotonic() - taken < RUN_SECONDS - 0.5:
-        assert task.store.holder_record(key).fence == holder.fence, "the lease expired or changed hands"
-        time.sleep(0.05)
+    # the run's first TTL ends 1.5 s after it took the key: only renewals keep it held after that;
+    # watched until shortly before the run ends, its lease never expires nor changes hands
+    stays(lambda: task.store.holder_record(key).fence == holder.fence,
+          RUN_SECONDS - 0.5 - (time.monotonic() - taken), interval=0.05)
     assert result.get(timeout=15) == {"lost": False, "fence": int(holder.fence)}
 
     assert task.store.holder_record(key) == {}  # released by the run, not expired (30 s TTL)

@@ -28,7 +28,7 @@ import pytest
 
 from celery_singleflight.testing import RedisServer
 
-from .conftest import IN_CI
+from .conftest import IN_CI, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "quickstart.md"
@@ -182,7 +182,7 @@ def start_worker(line: str, cwd: Path, env: dict[str, str], log_path: Path) -> s
         if worker.poll() is not None or time.monotonic() > deadline:
             stop(worker)
             pytest.fail(f"the worker did not start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.1)
+        time.sleep(0.1)  # the next look at the log
     return worker
 
 
@@ -205,13 +205,7 @@ def wait_for_progress(redis_url: str, key: str) -> None:
 
     app = Celery("quickstart-probe", set_as_current=False)
     app.conf.singleflight_redis_url = f"{redis_url}/2"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        st = sf.status(app, key)
-        if st is not None and st.held and st.current:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"no run of {key} reported progress within 30 s")
+    wait_for(lambda: (st := sf.status(app, key)) is not None and st.held and st.current, timeout=30)
 
 
 def test_the_readme_quickstart_is_the_tested_one() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
-import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -33,6 +33,7 @@ from celery_singleflight.protocol.timing import DueReply
 from celery_singleflight.testing import RedisServer
 from celery_singleflight.testing.engines import RedisClusterServers
 
+from .conftest import wait_for
 from .test_isolation import full_run
 
 NS = "keys-ns"
@@ -66,6 +67,7 @@ class Monitor:
     """``MONITOR`` on a raw connection of its own, read in a thread until ``stop()``."""
 
     def __init__(self, port: int) -> None:
+        self.port = port
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.sendall(b"MONITOR\r\n")
         self.lines: list[str] = []
@@ -86,10 +88,18 @@ class Monitor:
             self.lines += [line.decode("latin-1") for line in done]
 
     def stop(self) -> list[str]:
-        time.sleep(0.2)  # the last lines on their way
+        """Every line up to now: MONITOR shows commands in the order the server ran them, so once
+        a marker sent now is seen, so is every command before it."""
+        marker = f"monitor-end-{uuid.uuid4().hex}"
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        try:
+            client.echo(marker)
+        finally:
+            client.close()
+        wait_for(lambda: any(marker in line for line in self.lines), timeout=10)
         self.sock.close()
         self.thread.join(5)
-        return [line.removeprefix("+") for line in self.lines if line != "+OK"]
+        return [line.removeprefix("+") for line in self.lines if line != "+OK" and marker not in line]
 
 
 def calls_of(lines: list[str]) -> list[Call]:
@@ -129,8 +139,8 @@ def every_operation(url: str, namespace: str) -> None:
     deb = debounce.Debounce(0.05, None, "last", None)
     debounce.record(store, "k", "a", deb, (1,), {})
     debounce.record(store, "k", "b", deb, (2,), {})
-    time.sleep(0.1)
-    assert store.timing.due("k", "a", "a", "t1").kind == DueReply.RUN
+    # the burst's 50 ms of quiet pass: its leader's due then says RUN (a WAIT before it changes nothing)
+    wait_for(lambda: store.timing.due("k", "a", "a", "t1").kind == DueReply.RUN, timeout=10, interval=0.01)
     assert store.controls.pause("p:1", 5) is not None and store.controls.resume("p:1")
     store.controls.set_limits("p:1", concurrency=2)
     assert store.controls.clear_limits("p:1") is not None

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import time
 from types import ModuleType
 
 import pytest
 
 from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
-from .conftest import wait_for
+from .conftest import stays, wait_for
 
 pytestmark = pytest.mark.worker
 
@@ -23,11 +22,10 @@ def test_task_running_three_ttls_keeps_its_lease(
     result = sfapp.heartbeat_check.delay("hb", 4.5)
     key = sfapp.heartbeat_check.render_key("hb")
     store = sfapp.heartbeat_check.store
-    wait_for(lambda: store.time_left(key), timeout=15)
-    seen = time.monotonic()
-    while time.monotonic() - seen < 4.0:  # the run lasts 4.5 s from just before `seen`
-        assert store.time_left(key), "lease expired while the task was running"
-        time.sleep(0.02)
+    st = wait_for(lambda: (found := sfapp.heartbeat_check.status("hb")) is not None and found.held and found,
+                  timeout=15)
+    # watched until half a second before the run's end: past its first TTL only renewals keep it
+    stays(lambda: store.time_left(key), 4.0 - (st.age or 0.0))
     assert result.get(timeout=5)["lost"] is False
 
 
