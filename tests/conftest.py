@@ -10,6 +10,7 @@ import contextlib
 import gc
 import importlib
 import os
+import signal
 import sys
 import time
 import uuid
@@ -64,21 +65,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: the order within a module, and of the others, is kept
 
 
+#: Celery workers started, by test module (each start costs 2 to 3 s of CPU: the figure to keep
+#: down, by sharing a worker where a test does not kill, pause or reconfigure it)
+_starts_by_module: dict[str, int] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    before = WorkerProcess.starts
+    yield
+    module = item.nodeid.split("::")[0]
+    _starts_by_module[module] = _starts_by_module.get(module, 0) + WorkerProcess.starts - before
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """An xdist worker hands its count of started workers to the controller."""
+    """An xdist worker hands its counts of started workers to the controller."""
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
-        workeroutput["worker_starts"] = WorkerProcess.starts
+        workeroutput["worker_starts"] = _starts_by_module
 
 
 def pytest_testnodedown(node: Any, error: object) -> None:
-    WorkerProcess.starts += int(getattr(node, "workeroutput", {}).get("worker_starts", 0))
+    for module, count in getattr(node, "workeroutput", {}).get("worker_starts", {}).items():
+        _starts_by_module[module] = _starts_by_module.get(module, 0) + count
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """How many Celery workers the run started: each costs about a second of CPU, so this is the
-    figure to keep down (share a worker where a test does not kill, pause or reconfigure it)."""
-    terminalreporter.write_line(f"celery workers started: {WorkerProcess.starts}")
+    most = sorted(_starts_by_module.items(), key=lambda item: -item[1])[:8]
+    terminalreporter.write_line(f"celery workers started: {sum(_starts_by_module.values())} (most: "
+                                + ", ".join(f"{module} {count}" for module, count in most if count) + ")")
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +138,27 @@ SHARE_MARK = "share_workers"
 
 #: idle workers by their arguments, kept for the rest of this process's tests
 _spare: dict[tuple[Any, ...], list[WorkerProcess]] = {}
+
+
+def _keep(spec: tuple[Any, ...], worker: WorkerProcess) -> None:
+    """Keep an idle worker, stopped (SIGSTOP to its process group): a kept worker that ran would
+    sweep the Redis of the tests that follow and do, in its own log, what they expect of theirs."""
+    assert worker.proc is not None
+    os.killpg(worker.proc.pid, signal.SIGSTOP)
+    _spare.setdefault(spec, []).append(worker)
+
+
+def _take(spec: tuple[Any, ...], sfapp: ModuleType) -> WorkerProcess | None:
+    """A kept worker for these arguments, running again and marked alive, or None."""
+    while _spare.get(spec):
+        worker = _spare[spec].pop()
+        assert worker.proc is not None
+        os.killpg(worker.proc.pid, signal.SIGCONT)
+        worker.forget_log()  # a test that looks for a line (or its absence) sees only its own
+        if _marked_alive(worker, sfapp):
+            return worker
+        worker.discard()
+    return None
 
 
 def _idle(worker: WorkerProcess, app: Any) -> bool:
@@ -186,14 +222,11 @@ def start_worker(
         sent there never reach another test's worker."""
         spec = (concurrency, pool, tuple(sorted((env or {}).items())), extra)
         share = shares and wait and queue is None and not fresh
-        while share and _spare.get(spec):
-            worker = _spare[spec].pop()
-            worker.forget_log()  # a test that looks for a line (or its absence) sees only its own
-            if _marked_alive(worker, sfapp):
-                lent[id(worker)] = spec
-                started.append(worker)
-                return worker
-            worker.discard()
+        kept = _take(spec, sfapp) if share else None
+        if kept is not None:
+            lent[id(kept)] = spec
+            started.append(kept)
+            return kept
         queue = queue or f"q-{uuid.uuid4().hex[:12]}"
         worker = WorkerProcess(
             "sfapp", pool=pool, concurrency=concurrency, cwd=str(TESTS),
@@ -212,7 +245,7 @@ def start_worker(
     for worker in started:
         spec = lent.get(id(worker))
         if spec is not None and passed and _idle(worker, sfapp.app):
-            _spare.setdefault(spec, []).append(worker)
+            _keep(spec, worker)
         else:
             worker.discard()
 
@@ -224,20 +257,14 @@ def shared_worker(
     """One prefork worker (4 processes) on the default queue, shared by a test module (and by
     the next module that asks, when this one leaves it idle)."""
     spec = ("default queue", 4)
-    worker = None
-    while _spare.get(spec) and worker is None:
-        worker = _spare[spec].pop()
-        worker.forget_log()
-        if not _marked_alive(worker, sfapp):
-            worker.discard()
-            worker = None
+    worker = _take(spec, sfapp)
     if worker is None:
         worker = WorkerProcess("sfapp", concurrency=4, cwd=str(TESTS), env=worker_env(redis_server))
         worker.queue = "celery"  # type: ignore[attr-defined]
         worker.start(sfapp.app)
     yield worker
     if _idle(worker, sfapp.app):
-        _spare.setdefault(spec, []).append(worker)
+        _keep(spec, worker)
     else:
         worker.discard()
 

@@ -47,7 +47,7 @@ def record_run(name: str, key: str, seconds: float) -> None:
     recorder.rpush(f"runs:{key}", task_id)
     recorder.rpush("runs", f"{name}:{key}:{task_id}")
     try:
-        time.sleep(seconds)
+        hold(seconds, f"gate:{key}")  # a test that must outlast the run opens its gate when done
     finally:
         recorder.decr(f"active:{key}")
 
@@ -129,7 +129,7 @@ def hard_limited(self, key):
 def sleeper(self, key, seconds=30.0):
     recorder.set(f"pid:{key}", os.getpid())
     recorder.rpush(f"runs:{key}", self.request.id)
-    time.sleep(seconds)
+    hold(seconds, f"gate:{key}")
     return "slept"
 
 
@@ -174,7 +174,7 @@ def reporting(self, name, steps=5, pause=0.2):
     """Reports progress step by step; watched by the tests."""
     for i in range(steps):
         self.progress("loading", current=i, total=steps, message=f"step {i}", name=name)
-        time.sleep(pause)
+        hold(pause, f"gate:{name}")
     self.progress("finishing", current=steps, total=steps)
     return steps
 
@@ -322,7 +322,7 @@ def record_limited(key, limit, seconds):
         recorder.rpush("overlaps", f"limit:{key}:{task_id}")
     recorder.rpush(f"runs:{key}", task_id)
     try:
-        time.sleep(seconds)
+        hold(seconds, f"gate:{key}")
     finally:
         recorder.decr(f"active:{key}")
 

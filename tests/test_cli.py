@@ -23,7 +23,7 @@ from celery_singleflight.connection.clients import redacted_url as redacted
 from celery_singleflight.ops.cli import duration, progress_text, when
 from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
-from .conftest import TESTS, wait_for, worker_env
+from .conftest import TESTS, open_gate, wait_for, worker_env
 
 pytestmark = pytest.mark.worker
 
@@ -255,8 +255,8 @@ def test_watch_draws_a_progress_bar_on_a_terminal(
 def test_release_asks_then_forces_and_the_holder_loses_its_lease(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    # long enough to outlast five CLI starts (each a second or more on a busy machine)
-    result = sfapp.sleeper.delay("cli-rel", 15)
+    # runs until the test opens its gate, however long the CLI starts take on a busy machine
+    result = sfapp.sleeper.delay("cli-rel", 300)
     wait_for(lambda: sfapp.recorder.get("pid:cli-rel"), timeout=15)
     key = "k:cli-rel"
     record_key = sfapp.sleeper.render_key("cli-rel")
@@ -297,6 +297,7 @@ def test_release_asks_then_forces_and_the_holder_loses_its_lease(
 
     # the running task finds out (heartbeat or its own release at the end) and says so
     wait_for(lambda: f"lease lost: key='{key}'" in shared_worker.log(), timeout=25, interval=0.2)
+    open_gate(redis_server, "gate:cli-rel")
     assert result.get(timeout=25) == "slept"
 
 
@@ -387,8 +388,8 @@ def test_show_watch_and_release_by_the_tasks_arguments(
     """Given a running task, ``--task NAME ARGS...`` names its key by the arguments the task
     binds (positional or ``param=value``), as ``task.status(...)`` does in Python; a task that is
     not guarded, or arguments the task cannot bind, are configuration errors (exit 2)."""
-    # long enough to outlast three CLI starts (each a second or more on a busy machine)
-    result = sfapp.reporting.delay("cli-args", 48, 0.25)
+    # runs until the test opens its gate, however long the CLI starts take on a busy machine
+    result = sfapp.reporting.delay("cli-args", 48, 5.0)
     st = running(sfapp, "job:cli-args")
     by_args, by_name = sfapp.reporting.status("cli-args"), sfapp.reporting.status(name="cli-args")
     assert by_args is not None and by_name is not None
@@ -403,6 +404,9 @@ def test_show_watch_and_release_by_the_tasks_arguments(
         assert json.loads(shown.stdout)["task_id"] == result.id
 
     watched = start_cli(redis_server, "watch", "--task", "sfapp.reporting", "cli-args", "--json")
+    wait_for(lambda: any(c.get("cmd") == "xread" and "b" in c.get("flags", "")  # it follows: let the run end
+                         for c in redis_server.client().client_list()), timeout=30, interval=0.05)
+    open_gate(redis_server, "gate:cli-args")
     events = list(sfapp.reporting.watch("cli-args"))
     assert events[-1].kind == "end" and events[-1].state == "succeeded"
     code, out, err = finish(watched)
@@ -417,7 +421,7 @@ def test_show_watch_and_release_by_the_tasks_arguments(
     neither = run_cli(redis_server, "show")
     assert neither.returncode == 2 and "--task NAME" in neither.stderr
 
-    held = sfapp.reporting.delay("cli-args-rel", 40, 0.25)
+    held = sfapp.reporting.delay("cli-args-rel", 40, 5.0)
     running(sfapp, "job:cli-args-rel")
     released = run_cli(redis_server, "release", "--task", "sfapp.reporting", "cli-args-rel", "--force",
                        "--json")

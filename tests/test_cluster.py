@@ -350,7 +350,7 @@ def test_a_held_lease_survives_a_cluster_failover_of_its_master(replicated: Redi
 
 def test_holders_on_every_master_are_told_at_once_by_the_push(cluster: RedisClusterServers) -> None:
     """Holds of this process on keys of all three masters' slots, with the default TTL: a
-    force-release of each reaches the holder within a second (one subscription of the process; a
+    force-release of each reaches the holder before any renewal could (one subscription of the process; a
     PUBLISH from a script on any master reaches it), so no renewal was needed."""
     app = Celery("cluster-told", broker="memory://", set_as_current=False)
     app.conf.singleflight_redis_url = cluster.url
@@ -369,8 +369,9 @@ def test_holders_on_every_master_are_told_at_once_by_the_push(cluster: RedisClus
         with hold(app, key) as lease:
             sent = time.monotonic()
             assert force_release(app, key, by="ops") is not None
-            assert lease.lease.wait_superseded(1.5), f"{key} not told"
-            assert time.monotonic() - sent < 1.5 and "force-released by ops" in lease.lease.lost_reason
+            # under half the first renewal (10 s): only the push tells this soon, even on a loaded machine
+            assert lease.lease.wait_superseded(5.0), f"{key} not told"
+            assert time.monotonic() - sent < 5.0 and "force-released by ops" in lease.lease.lost_reason
 
 
 def test_a_master_other_than_the_epoch_keys_losing_its_data_is_seen_by_the_marks(

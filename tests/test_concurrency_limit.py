@@ -13,7 +13,7 @@ from celery_singleflight.testing import WorkerProcess
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def test_limit_three_with_thirty_tasks(sfapp: ModuleType, start_worker: object) -> None:

@@ -14,7 +14,7 @@ from celery_singleflight.testing import RedisServer
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def test_same_message_five_times_runs_once_with_five_identical_results(

@@ -19,6 +19,8 @@ from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import wait_for
 from .lua_sources import SOURCE
 
+pytestmark = pytest.mark.share_workers  # start_worker may lend a worker an earlier test left idle
+
 
 def order(sfapp: ModuleType, key: str) -> list[int]:
     return [int(x) for x in sfapp.recorder.lrange(f"order:{key}", 0, -1)]

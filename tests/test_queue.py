@@ -11,9 +11,9 @@ import pytest
 
 import celery_singleflight as sf
 from celery_singleflight import QueueFull, states
-from celery_singleflight.testing import WorkerProcess
+from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import wait_for
+from .conftest import open_gate, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
@@ -22,14 +22,18 @@ def order(sfapp: ModuleType, key: str) -> list[int]:
     return [int(x) for x in sfapp.recorder.lrange(f"order:{key}", 0, -1)]
 
 
-def test_fifo_50_runs_one_at_a_time_in_dispatch_order(sfapp: ModuleType, start_worker: object) -> None:
+def test_fifo_50_runs_one_at_a_time_in_dispatch_order(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
     """Given a holder on a key and 50 duplicates dispatched in a known order, they are parked
     (their worker slot is freed) and then run one at a time in exactly that order."""
     q = start_worker(concurrency=2).queue  # type: ignore[operator]  # one slot holds, one parks
-    holder = sfapp.queued.apply_async(("fifo", 0, 1.0), queue=q)
+    # the holder runs until all 50 are parked (a single slot parks them, in the order sent)
+    holder = sfapp.queued.apply_async(("fifo", 0, 120), queue=q)
     wait_for(lambda: sfapp.recorder.llen("runs:fifo") >= 1, timeout=15)
     results = [sfapp.queued.apply_async(("fifo", n, 0.005), queue=q) for n in range(1, 51)]
-    wait_for(lambda: sf.status(sfapp.app, "q:fifo").queued >= 10, timeout=15)  # type: ignore[union-attr]
+    wait_for(lambda: sf.status(sfapp.app, "q:fifo").queued == 50, timeout=30)  # type: ignore[union-attr]
+    open_gate(redis_server, "gate:fifo")
     assert [r.get(timeout=60) for r in [holder, *results]] == list(range(51))
     assert order(sfapp, "fifo") == list(range(51))
     assert sfapp.recorder.llen("overlaps") == 0

@@ -36,7 +36,7 @@ from celery_singleflight.testing import WorkerProcess
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def _wait_running(sfapp: ModuleType, key: str) -> int:

@@ -32,6 +32,8 @@ from celery_singleflight.testing import RedisServer, WorkerProcess
 from .conftest import wait_for
 from .test_cli import finish, json_lines, run_cli, start_cli
 
+pytestmark = pytest.mark.share_workers  # start_worker may lend a worker an earlier test left idle
+
 KEY = "lim:multi"
 
 
@@ -312,7 +314,8 @@ def test_cli_sees_and_releases_each_slot_of_a_key_held_by_three_runs(
     sfapp: ModuleType, start_worker: Any, redis_server: RedisServer
 ) -> None:
     worker: WorkerProcess = start_worker(concurrency=3)
-    results = [sfapp.limited.apply_async(("cli-slots", 60), queue=worker.queue) for _ in range(3)]  # type: ignore[attr-defined]
+    # the three runs hold their slots until the test revokes them, however slow the CLI's starts
+    results = [sfapp.limited.apply_async(("cli-slots", 600), queue=worker.queue) for _ in range(3)]  # type: ignore[attr-defined]
     key = sfapp.limited.render_key("cli-slots")
     assert key == "lim:cli-slots"
     watcher: subprocess.Popen[str] | None = None
