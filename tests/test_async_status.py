@@ -36,7 +36,7 @@ from .test_cluster import cluster  # noqa: F401 - the Cluster fixture
 from .test_sentinel import group  # noqa: F401 - the Sentinel fixture
 from .test_tls_acl import tls, tls_redis  # noqa: F401 - the TLS fixtures
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 EVENTS_APP = ROOT / "example_project" / "events_asgi.py"
 CLIENTS = 50
 

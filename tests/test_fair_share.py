@@ -26,6 +26,8 @@ from .conftest import wait_for
 from .lua_sources import SOURCE
 from .test_cli import run_cli
 
+pytestmark = pytest.mark.share_workers  # start_worker may lend a worker an earlier test left idle
+
 
 def parked_for(store: LeaseStore, gate: str) -> float:
     """Seconds since the last run parked at ``gate``, by the server's clock."""

@@ -20,7 +20,7 @@ from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
 from .conftest import stays, wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 @pytest.fixture

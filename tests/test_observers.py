@@ -20,7 +20,7 @@ from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
 from .conftest import IN_CI, TESTS, wait_for, worker_env
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from celery_singleflight.testing import WorkerProcess
 
 from .conftest import stays, wait_for
 
-pytestmark = pytest.mark.worker
+pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
 
 def start_holder(sfapp: ModuleType, key: str, seconds: float, queue: str | None = None) -> AsyncResult:
