@@ -48,6 +48,7 @@ def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         driver.quit()
 
 
+# about 20 s: the demo and a real chromium, a run's bar sampled while it advances
 def test_progress_page_shows_a_running_task(browser: Any, tmp_path: Path) -> None:
     """Given the demo and its page open, a double click on "sync (queue)" shows a bar that
     advances while the first run works, its queued duplicate, and then the final outcome."""

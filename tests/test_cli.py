@@ -382,6 +382,7 @@ def test_a_key_held_only_on_slot_1_is_shown_held(sfapp: ModuleType, redis_server
 # -- by the task's arguments ---------------------------------------------------------------
 
 
+# about 15 s: nine runs of the CLI as a user runs it, each a process that imports Celery and the app
 def test_show_watch_and_release_by_the_tasks_arguments(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:

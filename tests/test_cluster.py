@@ -101,6 +101,7 @@ def test_renewal_is_one_round_trip_per_node_and_tells_lost_from_held(
     assert store.renew_round_trips - before == 9
 
 
+# about 15 s: every policy on a six-node Cluster through a real worker (the Cluster is the module's)
 @pytest.mark.worker
 def test_every_policy_progress_and_status_on_the_cluster(
     cluster: RedisClusterServers, lease_env: dict[str, str], sfapp: ModuleType, start_worker: Any,

@@ -42,6 +42,8 @@ def journal(base: str) -> list[str]:
     return list(reversed(get(f"{base}/journal")))
 
 
+# about 25 s: the demo as a user starts it (embedded Redis, 8 worker processes, beat, the web app), and
+# each of its buttons, webhooks and the beat schedule driven through HTTP
 def test_demo_end_to_end(demo_started: list[Demo]) -> None:
     demo = Demo("--port", "0")  # 8 worker processes: a free one for each message as it comes
     demo_started.append(demo)

@@ -204,6 +204,8 @@ def test_prometheus_scrapes_what_each_policy_did(
     assert _value(query, "celery_singleflight_redis_up") == 1
 
 
+# about 15 s: a worker serving metrics and a real Prometheus, which scrapes each second: the series are
+# read as Prometheus stored them
 def test_prometheus_scrapes_retry_coalesce_and_supersede(
     sfapp: ModuleType, metrics_worker: Callable[..., tuple[Any, int]],
     prometheus: Callable[[int], Callable[[str], list[dict[str, Any]]]],

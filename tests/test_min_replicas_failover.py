@@ -111,6 +111,8 @@ def _overlaps(events: list[dict[str, Any]]) -> int:
     return sum(1 for i, (_, end) in enumerate(spans) for start, _ in spans[i + 1:] if start < end)
 
 
+# slow by nature (about 35 s): a Sentinel group, a real failover (Sentinel's down-after and election), and
+# workers on both sides of it
 @pytest.mark.worker
 def test_min_replicas_keeps_a_failover_from_handing_a_key_out_twice(
     side: RedisServer, group: SentinelGroup, replicaapp: ModuleType

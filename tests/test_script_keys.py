@@ -180,6 +180,8 @@ def _shas(scripts: tuple[Script, ...]) -> dict[str, str]:
     return {redis.Redis().register_script(s.source).sha: s.name for s in scripts}  # sha only, no I/O
 
 
+# its fixture takes about 20 s on the Cluster: every feature's scripts called once through a real worker
+# under MONITOR, on a Cluster started for it
 def test_every_script_was_called(watched: tuple[str, RedisServer, list[Call]]) -> None:
     """The run above calls every assembled script (else the checks below would miss one)."""
     _, _, calls = watched

@@ -309,6 +309,7 @@ def blocks(text: str) -> list[dict[str, str]]:
     return [dict(re.findall(r"^([a-z /]+):\s+(.*)$", block, re.MULTILINE)) for block in text.split("\n\n")]
 
 
+# about 30 s: thirteen runs of the CLI as a user runs it, each a process that imports Celery and the app
 @pytest.mark.worker
 def test_cli_sees_and_releases_each_slot_of_a_key_held_by_three_runs(
     sfapp: ModuleType, start_worker: Any, redis_server: RedisServer

@@ -971,6 +971,8 @@ def profile() -> settings:
                     phases=phases)
 
 
+# about 15 s: Hypothesis runs its examples (sequences of calls, deaths, lost replies) on a real Redis;
+# fewer would miss the windows the model found (SF_MODEL_PROFILE=long: ten times as many)
 @pytest.mark.timeout(3600 if LONG else 120)
 def test_the_delayed_scripts_follow_the_model(env: Env) -> None:
     """Given one key with one or two delayed runs, when any sequence of the delayed-copy calls,
