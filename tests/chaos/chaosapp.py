@@ -192,22 +192,34 @@ def fenced_write(resource: str, fence: int, value: str) -> bool:
 # -- scenario tasks ----------------------------------------------------------------------------
 
 
+def work(seconds: float, until: str | None = None) -> None:
+    """Work for ``seconds``, or less once the recorder key ``until`` exists: a holder a scenario
+    must outlast waits for the scenario to say so, not for a duration it hopes is long enough."""
+    if until is None:
+        time.sleep(seconds)
+        return
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not recorder.exists(until):
+        time.sleep(0.01)
+
+
 @app.task(bind=True, base=SingleFlightTask, name="chaos.queued", lock_key="c:<key>", on_duplicate="queue")
-def queued(self, key, n, seconds=0.05, first_seconds=None):
+def queued(self, key, n, seconds=0.05, first_seconds=None, until=None):
     """Queue policy. ``first_seconds``: how long the first delivery of this task id sleeps (the
-    holder the scenario kills); a redelivery sleeps ``seconds``."""
+    holder the scenario kills); a redelivery sleeps ``seconds``. ``until``: see :func:`work`."""
     deliveries = recorder.incr(f"bodies:{self.request.id}")
     if first_seconds is not None:
         recorder.hset(f"holder:{key}", mapping={"task_id": self.request.id, "pid": os.getpid(),
                                                 "hostname": self.request.hostname or ""})
     with Run(key, "queued", self.lease.fence):
-        time.sleep(first_seconds if first_seconds is not None and deliveries == 1 else seconds)
+        work(first_seconds if first_seconds is not None and deliveries == 1 else seconds, until)
     return n
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.fenced", lock_key="fw:<key>", on_duplicate="raise")
-def fenced(self, key, tag, hold=3.0, spin=False):
-    """Writes the resource with its fence at start and at the end, checking its lease between.
+def fenced(self, key, tag, hold=3.0, spin=False, until=None):
+    """Writes the resource with its fence at start and at the end, checking its lease between
+    (for ``hold`` seconds, or until the recorder key ``until`` exists).
 
     After a pause of the process (a loop step that took more than a second), it records what the
     lease told it, in this order: ``check()``, ``progress()``, then its fenced write.
@@ -222,7 +234,9 @@ def fenced(self, key, tag, hold=3.0, spin=False):
     seen["first_write"] = fenced_write(key, fence, f"{tag}:first")
     deadline = time.monotonic() + hold
     last = time.monotonic()
-    while last < deadline:
+    # from here on a pause is seen: a scenario that stops the process waits for this mark
+    recorder.hset(f"fw:{key}:{tag}", "looping", 1)
+    while last < deadline and not (until and recorder.exists(until)):
         if not spin:
             time.sleep(0.01)
         now = time.monotonic()
@@ -290,10 +304,11 @@ def quick(self, key, seconds=0.05):
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.long", lock_key="d:<key>", on_duplicate="raise")
-def long_run(self, key, seconds=6.0):
-    """Runs longer than the broker's visibility timeout (redelivery scenario)."""
+def long_run(self, key, seconds=6.0, until=None):
+    """Runs longer than the broker's visibility timeout (redelivery scenario): ``seconds``, or
+    until the scenario sets the recorder key ``until`` (see :func:`work`)."""
     with Run(key, "long", self.lease.fence):
-        time.sleep(seconds)
+        work(seconds, until)
     return {"task_id": self.request.id, "pid": os.getpid()}
 
 
@@ -374,45 +389,46 @@ def _nl_body(task: Any, n: int, seconds: float, *, per_slot: bool = False, plann
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_queue", lock_key="nl:q:<key>",
           on_duplicate="queue")
-def nl_queue(self, key, n, seconds=0.1):
-    return _nl_body(self, n, seconds)
+def nl_queue(self, key, n, seconds=0.1, until=None):
+    return _nl_body(self, n, seconds, until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_ordered", lock_key="nl:o:<key>",
           on_duplicate="queue", ordered=True, order_timeout=2)
-def nl_ordered(self, key, n, seconds=0.1):
-    return _nl_body(self, n, seconds)
+def nl_ordered(self, key, n, seconds=0.1, until=None):
+    return _nl_body(self, n, seconds, until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_limited", lock_key="nl:m:<key>",
           on_duplicate="queue", max_concurrency=2)
-def nl_limited(self, key, n, seconds=0.1):
-    return _nl_body(self, n, seconds, per_slot=True)
+def nl_limited(self, key, n, seconds=0.1, until=None):
+    return _nl_body(self, n, seconds, per_slot=True, until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_coalesce", lock_key="nl:c:<key>",
           on_duplicate="coalesce")
-def nl_coalesce(self, key, n, seconds=0.1):
-    return _nl_body(self, n, seconds)
+def nl_coalesce(self, key, n, seconds=0.1, until=None):
+    return _nl_body(self, n, seconds, until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_supersede", lock_key="nl:s:<key>",
           on_duplicate="supersede", supersede_grace=2)
-def nl_supersede(self, key, n, seconds=0.1):
-    return _nl_body(self, n, seconds)
+def nl_supersede(self, key, n, seconds=0.1, until=None):
+    return _nl_body(self, n, seconds, until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_debounce", lock_key="nl:d:<key>",
           on_duplicate="queue", debounce=1, debounce_max_wait=3)
-def nl_debounce(self, key, n, seconds=0.1):
-    return _nl_body(self, n, seconds)
+def nl_debounce(self, key, n, seconds=0.1, until=None):
+    return _nl_body(self, n, seconds, until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.nl_rate", lock_key="nl:r:<key>", on_duplicate="queue",
           key_rate_limit="4/s", max_concurrency=8)
-def nl_rate(self, key, n, seconds=0.05):
+def nl_rate(self, key, n, seconds=0.05, until=None):
     """Rate limited; 8 slots, so a long run does not hold the others back (only the rate does)."""
-    return _nl_body(self, n, seconds, per_slot=True, planned=getattr(self.request, PLANNED_ATTR, None))
+    return _nl_body(self, n, seconds, per_slot=True, planned=getattr(self.request, PLANNED_ATTR, None),
+                    until=until)
 
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.dc_rate", lock_key="dc:r:<key>", on_duplicate="queue",
@@ -465,9 +481,9 @@ if os.environ.get("CHAOS_JOURNAL_DIR"):
 
 @app.task(bind=True, base=SingleFlightTask, name="chaos.queued_in_order", lock_key="co:<key>",
           on_duplicate="queue", ordered=True)
-def queued_in_order(self, key, n, seconds=0.05, first_seconds=None):
+def queued_in_order(self, key, n, seconds=0.05, first_seconds=None, until=None):
     """``queued`` with ``ordered=True``: runs start in send order."""
     recorder.incr(f"bodies:{self.request.id}")
     with Run(key, "queued_in_order", self.lease.fence):
-        time.sleep(first_seconds if first_seconds is not None else seconds)
+        work(first_seconds if first_seconds is not None else seconds, until)
     return n

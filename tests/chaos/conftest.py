@@ -200,6 +200,23 @@ def holder_of(task: Any, *args: Any) -> dict[str, str]:
     return task.store.holder_record(task.render_key(*args))  # type: ignore[no-any-return]
 
 
+def renewed(task: Any, ttl: float, *args: Any, slot: int = 0) -> bool:
+    """The run holding (``slot`` of) the key ``task`` renders for ``args`` renewed its lease at
+    least once: its deadline is later than its take's (its start + ``ttl``, the workers' TTL)."""
+    record = task.store.holder_record(task.render_key(*args), slot)
+    return bool(record.token) and record.deadline - record.since > ttl * 1000
+
+
+def broker_empty(broker: RedisServer, queue: str) -> bool:
+    """The broker holds no message of ``queue`` (nor of a queue named after it): none queued, and
+    none delivered but not acknowledged (kombu's ``unacked``: a visibility timeout sends those
+    again). Nothing is left there that a worker could run later."""
+    client = broker.client(0)
+    queued = sum(client.llen(name) for name in client.scan_iter(match=f"{queue}*")
+                 if client.type(name) == b"list")
+    return queued == 0 and client.hlen("unacked") == 0
+
+
 def lease_pttl(task: Any, *args: Any) -> int:
     """Milliseconds left on the lease of the key ``task`` renders for ``args`` (-2: no lease)."""
     left = task.store.time_left(task.render_key(*args))

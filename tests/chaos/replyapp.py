@@ -38,8 +38,10 @@ app.conf.update(
 recorder = redis.Redis.from_url(f"{BASE}/3")
 
 
-def body(task: Any, key: str, seconds: float, limit: int = 1) -> dict[str, Any]:
-    """A run on ``key``: recorded, reports progress twice, takes ``seconds``."""
+def body(task: Any, key: str, seconds: float, limit: int = 1, gate: str | None = None) -> dict[str, Any]:
+    """A run on ``key``: recorded, reports progress twice, takes ``seconds``, or less once the
+    recorder key ``gate`` exists (a holder the scenario must outlast waits for the scenario, not
+    for a duration it hopes is long enough); ``working:<key>`` names it once it reported."""
     task_id = task.request.id
     recorder.rpush(f"runs:{key}", task_id)
     active = recorder.incr(f"active:{key}")
@@ -47,7 +49,10 @@ def body(task: Any, key: str, seconds: float, limit: int = 1) -> dict[str, Any]:
         recorder.rpush("overlaps", f"{key}:{task_id}:{active}")
     try:
         task.progress("working", current=0, total=1)
-        time.sleep(seconds)
+        recorder.rpush(f"working:{key}", task_id)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (gate and recorder.exists(gate)):
+            time.sleep(min(0.01, seconds))
         task.progress("done", current=1, total=1)
     finally:
         recorder.decr(f"active:{key}")
@@ -55,33 +60,33 @@ def body(task: Any, key: str, seconds: float, limit: int = 1) -> dict[str, Any]:
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="raise")
-def refuse(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds)
+def refuse(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="skip")
-def skip(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds)
+def skip(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="retry", max_wait=60)
-def retry(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds)
+def retry(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="queue")
-def queue(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds)
+def queue(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="join")
-def join(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds)
+def join(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="skip", dedup_enqueue=True)
-def dedup(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds)
+def dedup(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="queue",
@@ -91,8 +96,8 @@ def idem(self: Any, key: str, message: str, seconds: float = 0.1) -> dict[str, A
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_duplicate="queue", max_concurrency=2)
-def limited(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
-    return body(self, key, seconds, limit=2)
+def limited(self: Any, key: str, seconds: float = 0.1, gate: str | None = None) -> dict[str, Any]:
+    return body(self, key, seconds, limit=2, gate=gate)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="r:<key>", on_redis_error="fail_open")

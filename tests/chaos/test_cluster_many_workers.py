@@ -16,6 +16,7 @@ processes killed every 1.5-3.5 s and one whole worker killed and replaced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -37,7 +38,7 @@ from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.testing.engines import RedisClusterServers
 
 from ..conftest import IN_CI
-from .conftest import Workers, interval_overlaps, overlaps, runs
+from .conftest import Workers, interval_overlaps, overlaps, runs, wait_for
 from .test_soak import in_flight_at_kill, states, terminal
 
 pytestmark = pytest.mark.worker
@@ -68,6 +69,7 @@ def cluster() -> Iterator[RedisClusterServers]:
     servers.close()
 
 
+# its time is inherent: TASKS sent at RATE (7.5 s), a Redis Cluster's start; the rest waits on states
 @pytest.mark.timeout(900 if FULL else 240)
 def test_many_workers_on_a_cluster_with_kills(
     chaos: ModuleType, workers: Workers, queue: str, broker_redis: RedisServer, cluster: RedisClusterServers,
@@ -139,12 +141,21 @@ def test_many_workers_on_a_cluster_with_kills(
         pending = [i for i in ids if not terminal(metas[i])]
         if not pending or time.monotonic() > deadline:
             break
-        time.sleep(1.0)
-    time.sleep(TTL)  # grace: leases of processes killed at the very end run out
+        time.sleep(0.25)
     reader = StatusReader(store_for(cluster.url, "sf"))
-    still_held = reader.held()
     nodes = cluster.client()
-    parked_left = sum(int(nodes.llen(k)) for k in nodes.scan_iter(match="sf:{*}:queue", count=1000))
+    left: list[Any] = []
+
+    def nothing_left() -> bool:
+        """No key held and no run parked on any node (what is left is kept in ``left``)."""
+        parked = sum(int(nodes.llen(k)) for k in nodes.scan_iter(match="sf:{*}:queue", count=1000))
+        left[:] = [reader.held(), parked]
+        return left == [[], 0]
+
+    # grace: one TTL for leases of processes killed at the very end (each runs out within it)
+    with contextlib.suppress(AssertionError):
+        wait_for(nothing_left, timeout=TTL, interval=0.1)
+    still_held, parked_left = left
 
     failed = Counter[str]()
     outcome = Counter[str]()

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from celery_singleflight import RunLost, constants
+from celery_singleflight.testing import RedisServer
 
 from .conftest import Workers, runs, wait_for
 
@@ -32,9 +33,11 @@ def _copies(chaos: ModuleType, key: str) -> dict[str, Any]:
     return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
+# its time is inherent: A's messages come back after VISIBILITY (8 s), which must outlast the copies
+# going out (a worker is seen gone WORKER_GONE_AFTER after its last sweep)
 @pytest.mark.timeout(120)
 def test_copies_of_a_dead_workers_delayed_runs_run_once(
-    chaos: ModuleType, workers: Workers, queue: str
+    chaos: ModuleType, workers: Workers, queue: str, broker_redis: RedisServer
 ) -> None:
     env = {"CHAOS_TTL": "3", "CHAOS_VISIBILITY": str(VISIBILITY)}
     first, second = workers.start(workers.make(queue, env=env), workers.make(f"{queue}-idle", env=env))
@@ -45,6 +48,9 @@ def test_copies_of_a_dead_workers_delayed_runs_run_once(
     wait_for(lambda: _held_by(chaos, key, first.hostname), timeout=20)
     first.kill()
     killed = time.time()
+    # the countdown messages A held: delivered to it, never acknowledged (back after VISIBILITY)
+    unacked = _unacked_ids(broker_redis)
+    assert unacked, "A held no countdown message at its death: the scenario proves nothing"
     assert chaos.app.control.add_consumer(queue, destination=[second.hostname], reply=True, timeout=5)
     try:
         lost = _wait_terminal(sent, timeout=30)
@@ -59,11 +65,17 @@ def test_copies_of_a_dead_workers_delayed_runs_run_once(
     # the copies went once A was seen gone: its last sweep + WORKER_GONE_AFTER + a sweep, at most
     assert done < 3.5 + constants.WORKER_GONE_AFTER + 2 * constants.SWEEP_INTERVAL + 3.0, done
     # A's original messages come back after the visibility timeout (kombu restores them on its
-    # own schedule, later under load): B drops them as stale, and none runs again
-    wait_for(lambda: "another copy of this delayed run runs or ran" in second.log_path.read_text(),
-             timeout=VISIBILITY + 30.0, interval=0.2)
-    time.sleep(1.0)
+    # own schedule, later under load): B drops each one as stale, and none runs again
+    dropped = "]: another copy of this delayed run runs or ran"
+    wait_for(lambda: all(f"[{i}{dropped}" in second.log() for i in unacked), timeout=VISIBILITY + 30.0,
+             interval=0.2)
     assert sorted(int(r["n"]) for r in runs(chaos) if r["end"] is not None) == finished
+
+
+def _unacked_ids(broker: RedisServer) -> set[str]:
+    """The task ids of the messages the broker delivered and nobody acknowledged (kombu's
+    ``unacked``: each entry is the message, its exchange and its routing key)."""
+    return {json.loads(raw)[0]["headers"]["id"] for raw in broker.client(0).hvals("unacked")}
 
 
 def _held_by(chaos: ModuleType, key: str, hostname: str) -> bool:

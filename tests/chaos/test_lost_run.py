@@ -88,7 +88,7 @@ def test_the_record_tells_what_became_of_a_started_run(store: LeaseStore) -> Non
     assert seen(store, ended) == (Verdict.ENDED, 0.0)
 
     _, lost = take(store, "lost", "t-lost", 0.05)
-    time.sleep(0.1)
+    wait_for(lambda: store.time_left("lost") is None, timeout=10)  # its lease ran out
     assert seen(store, lost) == (Verdict.LOST, 0.0)
 
     # later runs on the slot: the next says how the run before it ended, further ones keep the fence
@@ -146,7 +146,7 @@ def test_the_sweep_ends_lost_runs_once_and_twice_alike(store: LeaseStore, app: C
         store.started.enter(run, -1.0)
     index = store.layout.index(STARTED)
     store.client.zadd(index, {"not a member": 0})
-    time.sleep(0.1)
+    wait_for(lambda: all(store.time_left(k) is None for k in ("k-lost", "k-ready")), timeout=10)  # ran out
 
     first, second = FailLostRuns(app, store), FailLostRuns(app, store)
     first.sweep_once()
@@ -188,13 +188,15 @@ def test_a_parked_run_lost_with_its_worker_ends_failure_with_run_lost(
     nothing."""
     env = {"CHAOS_TTL": str(TTL)}
     victim, standby = workers.start(workers.make(queue, env=env), workers.make(f"{queue}-idle", env=env))
-    key = "lost"
+    key, go = "lost", "go:lost"
     rendered = chaos.queued.render_key(key, 0)
-    holder = chaos.queued.apply_async((key, 0), {"seconds": 1.0}, queue=queue)
+    # the holder holds its key until the run behind it parked
+    holder = chaos.queued.apply_async((key, 0), {"seconds": 60.0, "until": go}, queue=queue)
     wait_for(lambda: runs(chaos, key), timeout=20)
     parked = chaos.queued.apply_async((key, 1), {"seconds": 60.0}, queue=queue)
     wait_for(lambda: parked.state == "QUEUED", timeout=10)
     assert started_index(chaos) == []  # the holder never waited: not entered
+    chaos.recorder.set(go, 1)
     wait_for(lambda: any(r["task_id"] == parked.id for r in runs(chaos, key)), timeout=20)
     assert holder.get(timeout=10) == 0
     assert parked.state == "STARTED"  # marked when it started after waiting (a recovered copy is dropped)
@@ -227,14 +229,17 @@ def test_runs_that_end_normally_keep_their_result_and_leave_nothing(
     the parked one is while it runs, and once its lease's deadline has passed the sweeper has
     dropped it: both keep SUCCESS."""
     workers.one(queue, env={"CHAOS_TTL": str(TTL)})
-    key = "normal"
-    plain = chaos.queued.apply_async((key, 0), {"seconds": 1.0}, queue=queue)
+    key, go_plain, go_parked = "normal", "go:normal:0", "go:normal:1"
+    # each run holds its key until the scenario looked at the started index while it ran
+    plain = chaos.queued.apply_async((key, 0), {"seconds": 60.0, "until": go_plain}, queue=queue)
     wait_for(lambda: runs(chaos, key), timeout=20)
-    parked = chaos.queued.apply_async((key, 1), {"seconds": 1.0}, queue=queue)
+    parked = chaos.queued.apply_async((key, 1), {"seconds": 60.0, "until": go_parked}, queue=queue)
     wait_for(lambda: parked.state == "QUEUED", timeout=10)
     assert started_index(chaos) == []
+    chaos.recorder.set(go_plain, 1)
     wait_for(lambda: any(r["task_id"] == parked.id for r in runs(chaos, key)), timeout=20)
     assert len(started_index(chaos)) == 1
+    chaos.recorder.set(go_parked, 1)
     assert plain.get(timeout=10) == 0 and parked.get(timeout=10) == 1
     ended_at = time.time()
 

@@ -2,7 +2,8 @@
 
 A lease cannot stop a process that does not run: while the holder is stopped its heartbeat is
 stopped too, the lease expires (TTL 2 s) and another run takes the key with a larger fence. When
-the frozen holder continues (SIGCONT after 4 s) two bodies are alive on one key. What must hold:
+the frozen holder continues (SIGCONT once the other run wrote) two bodies are alive on one key.
+What must hold:
 
 - the resumed holder learns that its lease is lost at its next ``self.lease.check()`` and at its
   next ``self.progress()``, and says so in the worker log;
@@ -27,7 +28,6 @@ from .conftest import Workers, flush, holder_of, round3, wait_for, write_figures
 
 pytestmark = pytest.mark.worker
 TTL = 2.0
-PAUSE = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +41,37 @@ def paused(
     try:
         queue = f"chaos-pause-{uuid.uuid4().hex[:8]}"
         worker = workers.one(queue, concurrency=2, env={"CHAOS_TTL": str(TTL)})
-        key = "p"
+        key, go_b = "p", "go:p:B"
         first = chaos.fenced.apply_async((key, "A"), {"hold": 30.0, "spin": True}, queue=queue)
-        pid = int(wait_for(lambda: chaos.recorder.hget(f"fw:{key}:A", "pid"), timeout=20))
-        time.sleep(0.3)
+        # A wrote first and is in its loop, where it sees a pause
+        wait_for(lambda: chaos.recorder.hget(f"fw:{key}:A", "looping"), timeout=20)
+        pid = int(chaos.recorder.hget(f"fw:{key}:A", "pid"))
         stopped_at = time.time()
         os.kill(pid, signal.SIGSTOP)
         try:
             expired_at = wait_for(lambda: not holder_of(chaos.fenced, key, "A") and time.time(),
                                   timeout=TTL + 2, interval=0.005)
-            second = chaos.fenced.apply_async((key, "B"), {"hold": 3.0}, queue=queue)
+            # B holds the key until A has resumed and reported: two bodies alive on one key
+            second = chaos.fenced.apply_async((key, "B"), {"hold": 60.0, "until": go_b}, queue=queue)
             wait_for(lambda: chaos.recorder.hget(f"fw:{key}:B", "pid"), timeout=10)
             second_started = time.time()
             holder_during_pause = holder_of(chaos.fenced, key, "B").get("task_id")
-            time.sleep(max(0.0, stopped_at + PAUSE - time.time()))
+            # A stays stopped until B's first fenced write landed (A's own later write must meet it)
+            wait_for(lambda: chaos.recorder.hget(f"resource:{key}", "value") == b"B:first", timeout=10)
         finally:
             os.kill(pid, signal.SIGCONT)
         resumed_at = time.time()
-        seen_first = first.get(timeout=20)
+        try:
+            seen_first = first.get(timeout=20)
+        finally:
+            chaos.recorder.set(go_b, 1)
         seen_second = second.get(timeout=20)
         stored = {k.decode(): v.decode() for k, v in chaos.recorder.hgetall(f"resource:{key}").items()}
         wait_for(lambda: "lease lost" in worker.log(), timeout=5)
         data = {
             "first": seen_first, "second": seen_second, "stored": stored, "log": worker.log(),
             "second_id": second.id, "holder_during_pause": holder_during_pause,
+            "paused": resumed_at - stopped_at,
         }
         figures = {
             "ttl_s": TTL,
@@ -91,7 +98,7 @@ def paused(
 def test_another_run_takes_the_key_with_a_larger_fence(paused: dict[str, Any]) -> None:
     assert paused["holder_during_pause"] == paused["second_id"]
     assert paused["second"]["fence"] > paused["first"]["fence"]
-    assert paused["first"]["paused_for"] >= PAUSE - 0.5
+    assert paused["first"]["paused_for"] >= paused["paused"] - 0.5  # the holder saw the whole pause
 
 
 def test_the_stale_holders_fenced_write_is_refused(paused: dict[str, Any]) -> None:

@@ -3,8 +3,8 @@
 The holder's worker reaches the lease Redis only through :class:`TcpProxy`; a second worker (the
 prober) reaches it directly and keeps trying the key (``skip`` policy) while the proxy is cut.
 
-- a blip shorter than the TTL (TTL 4 s, cut 1.5 s): renewals fail and are retried, the lease
-  survives (``self.lease.lost`` stays False), and no other run takes the key;
+- a blip shorter than the TTL (TTL 4 s, cut 1.5 s, over the first renewal): renewals fail and are
+  retried, the lease survives (``self.lease.lost`` stays False), and no other run takes the key;
 - a cut longer than the TTL (TTL 3 s, cut 6 s): the loss is reported, not silent (the task sees
   ``lease.lost`` / ``LeaseLost``, the worker logs "lease lost"). How late it is reported, and
   whether the prober's run overlaps the old body meanwhile, is measured and checked too;
@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -32,6 +32,7 @@ from .conftest import (
     holder_of,
     lease_pttl,
     overlaps,
+    renewed,
     round3,
     runs,
     since,
@@ -75,9 +76,13 @@ class LeaseMonitor:
             time.sleep(0.005)
 
 
-def probe_while(chaos: ModuleType, queue: str, key: str, until: float, every: float = 0.25) -> list[Any]:
+def probe_while(chaos: ModuleType, queue: str, key: str, until: float, every: float = 0.25,
+                done: Callable[[], bool] = lambda: True) -> list[Any]:
+    """Try the key every ``every`` seconds (the prober's pace) until ``until`` has passed and
+    ``done()`` holds (or a minute has, so that a scenario that went wrong still ends)."""
     sent = []
-    while time.time() < until:
+    limit = until + 60.0
+    while time.time() < limit and (time.time() < until or not done()):
         sent.append(chaos.probe.apply_async((key, 0.5), queue=queue))
         time.sleep(every)
     return sent
@@ -103,17 +108,20 @@ def test_blip_shorter_than_the_ttl_keeps_the_lease(
     try:
         holder_worker, holder_q, probe_q = start_pair(workers, proxy, ttl)
         key = "blip"
-        holder = chaos.watcher.apply_async((key, 8.0), queue=holder_q)
+        # the watcher holds 5.5 s past the cut: more than a TTL after its last renewal before it
+        holder = chaos.watcher.apply_async((key, cut_for + 5.5), queue=holder_q)
         wait_for(lambda: chaos.recorder.hget(f"watcher:{key}", "pid"), timeout=20)
         with LeaseMonitor(chaos.watcher, key, holder.id) as monitor:
-            time.sleep(1.0)
             cut_at = time.time()
             proxy.cut()
-            probes = probe_while(chaos, probe_q, key, cut_at + cut_for)
+            # cut from the start of the run: its first renewal (a third of the TTL in) fails; the
+            # cut lasts cut_for, and until that failure is in the log
+            probes = probe_while(chaos, probe_q, key, cut_at + cut_for,
+                                 done=lambda: "could not renew" in holder_worker.log())
             proxy.heal()
             healed_at = time.time()
             probes += probe_while(chaos, probe_q, key, healed_at + 1.5)
-        told = holder.get(timeout=20)  # the watcher holds 8 s: still running when the monitor stops
+        told = holder.get(timeout=20)  # the watcher holds 7 s: still running when the monitor stops
         outcomes = [p.get(timeout=20) for p in probes]
     finally:
         proxy.close()
@@ -151,7 +159,8 @@ def long_partition(
         holder = chaos.watcher.apply_async((key, 30.0), queue=holder_q)
         wait_for(lambda: chaos.recorder.hget(f"watcher:{key}", "pid"), timeout=20)
         with LeaseMonitor(chaos.watcher, key, holder.id) as monitor:
-            time.sleep(1.0)
+            # the partition starts right after the lease's first renewal: its clock is known
+            wait_for(lambda: renewed(chaos.watcher, ttl, key), timeout=10, interval=0.005)
             cut_at = time.time()
             if mode == "cut":
                 proxy.cut()
@@ -193,6 +202,7 @@ def long_partition(
     yield data
 
 
+# inherent: the partition outlasts the TTL (3 s) by design, so that the lease runs out meanwhile
 @pytest.fixture(scope="module")
 def long_cut(
     chaos: ModuleType, broker_redis: RedisServer, lease_redis: RedisServer,
@@ -203,6 +213,7 @@ def long_cut(
                               ttl=3.0, lasting=6.0)
 
 
+# inherent: 8 s of dropped packets, past the TTL and the client's 5 s socket timeout (the point)
 @pytest.fixture(scope="module")
 def blackhole(
     chaos: ModuleType, broker_redis: RedisServer, lease_redis: RedisServer,

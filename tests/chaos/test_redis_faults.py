@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -123,10 +124,6 @@ class Expect:
     runs: tuple[int, ...] = (1,)  # the body runs the key may end with
 
 
-def _started(app: ModuleType, key: str, count: int = 1) -> None:
-    wait_for(lambda: app.recorder.llen(f"runs:{key}") >= count, timeout=30, interval=0.01)
-
-
 def _value(result: AsyncResult) -> Any:
     """The result's value, or its exception (a refused run ends as FAILURE)."""
     try:
@@ -135,36 +132,76 @@ def _value(result: AsyncResult) -> Any:
         return exc
 
 
-def run_workloads(app: ModuleType, tag: str, hold_s: float = 2.5) -> list[Expect]:
+#: the longest a holder holds its key: it ends as soon as the scenario opens its gate
+HOLD_MAX = 120.0
+TTL_MS = 3000  # replyapp's singleflight_ttl
+
+
+def renewed(app: ModuleType, key: str, slot: int = 0) -> bool:
+    """The run holding ``slot`` of ``key`` renewed its lease at least once (its deadline is later
+    than its take's: the run's start + the TTL)."""
+    record = app.queue.store.holder_record(key, slot)
+    return bool(record.token) and record.deadline - record.since > TTL_MS
+
+
+def run_workloads(app: ModuleType, tag: str, decide_within: float = 30.0) -> list[Expect]:
     """Start every workload; return what each must end with (the waits happen in :func:`settle`).
 
-    Holders run ``hold_s``: longer than it can take every holder to start (a stalled acquire
-    delays some), so that every duplicate arrives while its holder holds the key."""
+    Holders hold their key until every duplicate met them and took its policy's way (refused,
+    skipped, re-sent, parked, joined) and each holder renewed its lease once; then the scenario
+    opens their gate. A stalled acquire may delay a duplicate for seconds: ``decide_within``."""
     k = {name: f"{tag}-{name}" for name in ("raise", "skip", "retry", "queue", "join", "dedup", "idem",
                                             "limited", "hold")}
     out: list[Expect] = []
     q = {"queue": QUEUE}
+    gate = f"go:{tag}"
+    held = {"gate": gate}
 
     holders = {
-        "raise": app.refuse.apply_async((k["raise"], hold_s), **q),
-        "skip": app.skip.apply_async((k["skip"], hold_s), **q),
-        "retry": app.retry.apply_async((k["retry"], hold_s), **q),
-        "queue": app.queue.apply_async((k["queue"], hold_s), **q),
-        "join": app.join.apply_async((k["join"], hold_s), **q),
-        "limited": [app.limited.apply_async((k["limited"], hold_s), **q) for _ in range(2)],
+        "raise": app.refuse.apply_async((k["raise"], HOLD_MAX), held, **q),
+        "skip": app.skip.apply_async((k["skip"], HOLD_MAX), held, **q),
+        "retry": app.retry.apply_async((k["retry"], HOLD_MAX), held, **q),
+        "queue": app.queue.apply_async((k["queue"], HOLD_MAX), held, **q),
+        "join": app.join.apply_async((k["join"], HOLD_MAX), held, **q),
+        "limited": [app.limited.apply_async((k["limited"], HOLD_MAX), held, **q) for _ in range(2)],
     }
-    dedup = [app.dedup.apply_async((k["dedup"], hold_s), **q) for _ in range(3)]
+    dedup = [app.dedup.apply_async((k["dedup"], HOLD_MAX), held, **q) for _ in range(3)]
     idem = [app.idem.apply_async((k["idem"], "m-1", 0.3), **q) for _ in range(3)]
     tasks = {"raise": app.refuse, "skip": app.skip, "retry": app.retry, "queue": app.queue, "join": app.join,
              "limited": app.limited, "dedup": app.dedup}
     counts = {name: 2 if name == "limited" else 1 for name in tasks}
-    wait_for(lambda: all(app.recorder.llen(f"runs:{k[n]}") >= c for n, c in counts.items()), timeout=30,
-             interval=0.01)
-    dups = {name: [task.apply_async((k[name],), **q) for _ in range(2)] for name, task in tasks.items()
-            if name != "dedup"}
-    dedup += [app.dedup.apply_async((k["dedup"],), **q)]
-    # a send by name is not deduplicated at enqueue: at run time it meets the holder (skip)
-    dedup += [app.app.send_task(app.dedup.name, (k["dedup"],), queue=QUEUE)]
+    try:
+        wait_for(lambda: all(app.recorder.llen(f"runs:{k[n]}") >= c for n, c in counts.items()), timeout=30,
+                 interval=0.01)
+        dups = {name: [task.apply_async((k[name],), **q) for _ in range(2)] for name, task in tasks.items()
+                if name != "dedup"}
+        dedup += [app.dedup.apply_async((k["dedup"],), **q)]
+        # a send by name is not deduplicated at enqueue: at run time it meets the holder (skip)
+        dedup += [app.app.send_task(app.dedup.name, (k["dedup"],), queue=QUEUE)]
+
+        # hold(): a queued task and a joined task wait behind it; both end well: the joined one is
+        # sent again at the hold's end (a hold has no result to give it) and joins the queued run,
+        # or runs itself if that run already ended (a release reply held back for seconds)
+        hold_key = app.queue.render_key(k["hold"])
+        with hold(app.app, hold_key, ttl=3) as lease:
+            lease.progress("maintenance", current=1, total=1)
+            behind = [app.queue.apply_async((k["hold"], 1.0), **q),
+                      app.join.apply_async((k["hold"], 1.0), **q)]
+            wait_for(lambda: all(r.state in ("QUEUED", "JOINED") for r in behind), timeout=20)
+            wait_for(lambda: renewed(app, hold_key), timeout=10)  # its heartbeat renewed it
+
+        def met_their_holders() -> bool:
+            """Each duplicate took its policy's way while its holder holds, and each holder renewed."""
+            return (all(r.ready() for r in [*dups["raise"], *dups["skip"], dedup[-1]])
+                    and all(r.state == "RETRY" for r in dups["retry"])
+                    and all(r.state == "QUEUED" for r in [*dups["queue"], *dups["limited"]])
+                    and all(r.state == "JOINED" for r in dups["join"])
+                    and all(renewed(app, app.queue.render_key(k[name]), slot)
+                            for name, c in counts.items() for slot in range(c)))
+
+        wait_for(met_their_holders, timeout=decide_within, interval=0.05)
+    finally:
+        app.recorder.set(gate, 1)  # the holders end (also when a wait failed: the worker is shared)
 
     def refused(values: list[Any]) -> None:
         assert isinstance(values[0], dict), values
@@ -187,6 +224,9 @@ def run_workloads(app: ModuleType, tag: str, hold_s: float = 2.5) -> list[Expect
         one_id(values[:-1])
         assert sf.is_skipped(values[-1]), values
 
+    def joined_or_ran_after(values: list[Any]) -> None:
+        assert all(isinstance(v, dict) for v in values), values
+
     out += [
         Expect("raise", k["raise"], [holders["raise"], *dups["raise"]], refused),
         Expect("skip", k["skip"], [holders["skip"], *dups["skip"]], skipped),
@@ -196,22 +236,9 @@ def run_workloads(app: ModuleType, tag: str, hold_s: float = 2.5) -> list[Expect
         Expect("limited", k["limited"], [*holders["limited"], *dups["limited"]], each_ran, runs=(4,)),
         Expect("dedup", k["dedup"], dedup, one_id_and_a_skipped_send_by_name),
         Expect("idempotency", k["idem"], idem, one_id),
+        Expect("hold", k["hold"], behind, joined_or_ran_after, runs=(1, 2)),
     ]
     assert len({r.id for r in dedup[:-1]}) == 1, "dedup_enqueue sent more than one message for one key"
-
-    # hold(): a queued task and a joined task wait behind it; both end well: the joined one is sent
-    # again at the hold's end (a hold has no result to give it) and joins the queued run, or runs
-    # itself if that run already ended (a release reply held back for seconds)
-    hold_key = app.queue.render_key(k["hold"])
-    with hold(app.app, hold_key, ttl=3) as lease:
-        lease.progress("maintenance", current=1, total=1)
-        behind = [app.queue.apply_async((k["hold"], 1.0), **q), app.join.apply_async((k["hold"], 1.0), **q)]
-        wait_for(lambda: all(r.state in ("QUEUED", "JOINED") for r in behind), timeout=20)
-        time.sleep(1.2)  # long enough for a renewal
-    def joined_or_ran_after(values: list[Any]) -> None:
-        assert all(isinstance(v, dict) for v in values), values
-
-    out.append(Expect("hold", k["hold"], behind, joined_or_ran_after, runs=(1, 2)))
     return out
 
 
@@ -271,8 +298,9 @@ def test_every_reply_of_a_script_lost_once(
     expects = run_workloads(replyapp, f"drop-{script.lower()}")
     settle(replyapp, expects, figures)
     assert_no_false_redelivery(reply_worker, f"drop-{script.lower()}")
-    # the sweeper looks at a waiting key when its holder's lease would have run out (~3.5 s)
-    wait_for(lambda: rule.faulted > 0, timeout=6)
+    # the sweeper looks at a waiting key when its holder's lease would have run out (~3.5 s after
+    # the holder's last renewal, which can come after everything settled)
+    wait_for(lambda: rule.faulted > 0, timeout=15)
     figures.update(script=script, mode="drop_reply", faulted=rule.faulted, matched=rule.matched)
 
 
@@ -290,6 +318,7 @@ def test_connection_cut_right_after_a_script_was_sent(
     assert rule.faulted > 0
 
 
+# inherent: each stalled reply is held 6 s, past the client's 5 s socket timeout (the point)
 @pytest.mark.parametrize("script", ("ACQUIRE", "RELEASE"))
 def test_a_reply_held_past_the_socket_timeout(
     script: str, replyapp: ModuleType, reply_worker: WorkerProcess, proxy: FaultProxy, clean: None,
@@ -298,7 +327,7 @@ def test_a_reply_held_past_the_socket_timeout(
     """A stalled reply (as behind a server busy for longer than the client's 5 s socket timeout):
     the client gives up on it and sends the call again; the first run's effect stands."""
     rule = proxy.add_rule(stall_reply(6.0), script=SOURCE[script], first_time_only=True, times=3)
-    expects = run_workloads(replyapp, f"stall-{script.lower()}", hold_s=9.0)
+    expects = run_workloads(replyapp, f"stall-{script.lower()}", decide_within=60.0)
     settle(replyapp, expects, figures, timeout=90)
     if script == "ACQUIRE":
         assert_no_false_redelivery(reply_worker, f"stall-{script.lower()}")
@@ -311,13 +340,28 @@ def test_a_reply_held_past_the_socket_timeout(
 
 
 def _debug_sleep(server: RedisServer, seconds: int) -> threading.Thread:
-    """``DEBUG SLEEP`` on the lease Redis from a thread of its own (the server answers nobody meanwhile)."""
+    """``DEBUG SLEEP`` on the lease Redis from a thread of its own (the server answers nobody
+    meanwhile); returns once the server is seen asleep."""
     client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=seconds + 20)
     thread = threading.Thread(target=client.execute_command, args=("DEBUG", "SLEEP", str(seconds)))
     thread.start()
+    wait_for(lambda: _asleep(server), timeout=10, interval=0.01)
     return thread
 
 
+def _asleep(server: RedisServer) -> bool:
+    """A PING is not answered within 50 ms (a server that answers does so in well under 1 ms).
+    A raw socket: a client would retry, and take seconds of the sleep to tell."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=1) as sock:
+        sock.sendall(b"PING\r\n")
+        sock.settimeout(0.05)
+        try:
+            return not sock.recv(16)
+        except TimeoutError:
+            return True
+
+
+# inherent: two DEBUG SLEEPs of 7 s, each past the client's 5 s socket timeout (the point)
 @pytest.mark.timeout(120)
 def test_debug_sleep_longer_than_the_socket_timeout(
     replyapp: ModuleType, reply_worker: WorkerProcess, lease_redis: RedisServer, clean: None,
@@ -326,15 +370,15 @@ def test_debug_sleep_longer_than_the_socket_timeout(
     """The real thing: the lease Redis stalls (``DEBUG SLEEP 7``) while a run acquires and while
     it releases; both calls time out on the client (5 s) and are sent again, and run after the
     first ones. The run happens once, ends SUCCESS, and its key ends free."""
-    key = "debug-sleep"
+    key, gate = "debug-sleep", "go:debug-sleep"
     started = time.monotonic()
-    sleeper = _debug_sleep(lease_redis, 7)
-    time.sleep(0.2)  # the server is asleep: the acquire waits behind it
-    result = replyapp.queue.apply_async((key, 2.0), queue=QUEUE)
+    sleeper = _debug_sleep(lease_redis, 7)  # the server is asleep: the acquire waits behind it
+    result = replyapp.queue.apply_async((key, HOLD_MAX), {"gate": gate}, queue=QUEUE)
     sleeper.join()
-    _started(replyapp, key)
-    time.sleep(1.5)  # the body runs 2 s: stall the release too
+    # the body reported its start: stall the release too (and the last progress before it)
+    wait_for(lambda: replyapp.recorder.llen(f"working:{key}"), timeout=30)
     sleeper = _debug_sleep(lease_redis, 7)
+    replyapp.recorder.set(gate, 1)
     value = result.get(timeout=60)
     sleeper.join()
     figures.update(total_s=round(time.monotonic() - started, 3), runs=replyapp.recorder.llen(f"runs:{key}"))
@@ -410,7 +454,8 @@ def test_a_real_out_of_memory_redis_is_waited_out(
     try:
         result = replyapp.queue.apply_async(("oom",), queue=QUEUE)
         wait_for(lambda: result.state == "RETRY", timeout=20)
-        time.sleep(1.0)
+        # refused and re-sent at least twice: the re-sent attempt met the full Redis too
+        wait_for(lambda: reply_worker.log().count(f"[{result.id}] will be retried") >= 2, timeout=20)
         assert replyapp.recorder.llen("runs:oom") == 0
     finally:
         admin.config_set("maxmemory", "0")

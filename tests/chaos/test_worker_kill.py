@@ -22,13 +22,16 @@ from typing import Any
 import pytest
 
 import celery_singleflight as sf
+from celery_singleflight.testing import RedisServer
 
 from .conftest import (
     Workers,
+    broker_empty,
     holder_of,
     interval_overlaps,
     lease_pttl,
     overlaps,
+    renewed,
     round3,
     runs,
     wait_for,
@@ -41,7 +44,8 @@ TTL = 3.0
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("acks_late", [False, True], ids=["acks-early", "acks-late"])
 def test_whole_worker_killed_mid_run(
-    chaos: ModuleType, workers: Workers, queue: str, figures: dict[str, Any], acks_late: bool
+    chaos: ModuleType, workers: Workers, queue: str, figures: dict[str, Any], acks_late: bool,
+    broker_redis: RedisServer,
 ) -> None:
     env = {"CHAOS_TTL": str(TTL)}
     if acks_late:
@@ -56,7 +60,9 @@ def test_whole_worker_killed_mid_run(
     parked = [chaos.queued.apply_async((key, n), {"seconds": 0.2}, queue=queue) for n in (1, 2, 3)]
     wait_for(lambda: (sf.status(chaos.app, rendered) or None) and sf.status(chaos.app, rendered).queued == 3,
              timeout=20)
-    time.sleep(0.5)  # let a renewal happen, so the lease time left at the kill is not trivially full
+    # a renewal happened, so the lease time left at the kill is not trivially full (its deadline is
+    # later than its take's: start + TTL)
+    wait_for(lambda: renewed(chaos.queued, TTL, key, 0), timeout=10)
     # two workers park concurrently, so the FIFO is the order they parked in, not the send order
     store = chaos.queued.store
     fifo = [e.decode().split("|")[0] for e in store.client.lrange(store.layout.queue(rendered), 0, -1)]
@@ -81,7 +87,10 @@ def test_whole_worker_killed_mid_run(
         assert holder.get(timeout=40) == 0  # the redelivered holder ran to the end
         wait_for(lambda: len(runs(chaos, key)) == 5, timeout=10)
     else:
-        time.sleep(2.0)  # give a wrong redelivery the chance to show up
+        # nothing is left that could deliver the holder again: the broker holds no message of the
+        # queue (queued, or delivered and unacknowledged), and the sweeper that handed the key on
+        # ended the holder's run
+        wait_for(lambda: holder.state == "FAILURE" and broker_empty(broker_redis, queue), timeout=10)
     holder_runs = [r for r in runs(chaos, key) if r["task_id"] == holder.id]
     figures.update({
         "acks_late": acks_late,
