@@ -6,6 +6,7 @@ Exit codes under test (see celery_singleflight.cli): 0 ok, 1 not held / aborted,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -102,13 +103,22 @@ def test_help_lists_every_command_and_option(redis_server: RedisServer, sfapp: M
     assert "--timeout SECONDS" in watch.stdout and "--json" in watch.stdout and "exit 5" in watch.stdout
 
 
+def following(redis_server: RedisServer, count: int) -> None:
+    """Until ``count`` watchers follow a run live (each blocked in XREAD on its history)."""
+    def blocked() -> bool:
+        with contextlib.closing(redis_server.client()) as admin:
+            clients = admin.client_list()
+        return sum(c.get("cmd") == "xread" and "b" in c.get("flags", "") for c in clients) >= count
+    wait_for(blocked, timeout=60, interval=0.05)
+
+
 # -- ls ------------------------------------------------------------------------------------
 
 
 def test_ls_lists_a_held_key(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.sleeper.delay("cli-ls", 20)
+    result = sfapp.sleeper.delay("cli-ls", 300)  # held until the gate opens, however slow the CLI
     wait_for(lambda: sfapp.recorder.get("pid:cli-ls"), timeout=15)
     key = "k:cli-ls"
 
@@ -133,6 +143,8 @@ def test_ls_lists_a_held_key(
     assert key not in dropped.stdout and "no keys starting with 'job:' are held" in dropped.stdout
     dropped_json = run_cli(redis_server, "ls", "--prefix", "job:", "--json")
     assert dropped_json.returncode == 0 and json.loads(dropped_json.stdout) == []
+    open_gate(redis_server, "gate:cli-ls")
+    assert result.get(timeout=30) == "slept"
 
 
 # -- show ----------------------------------------------------------------------------------
@@ -142,7 +154,7 @@ def test_ls_lists_a_held_key(
 def test_show_a_running_then_ended_key_and_an_unknown_one(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.reporting.delay("cli-show", 20, 0.3)
+    result = sfapp.reporting.delay("cli-show", 20, 5.0)  # each step until the gate opens
     key = sfapp.reporting.render_key("cli-show")
     assert key == "job:cli-show"
     running(sfapp, key)
@@ -167,6 +179,7 @@ def test_show_a_running_then_ended_key_and_an_unknown_one(
     assert unknown.returncode == 1 and unknown.stdout == ""
     assert "not held" in unknown.stderr and "Traceback" not in unknown.stderr
 
+    open_gate(redis_server, "gate:cli-show")
     assert result.get(timeout=30) == 20
     ended = run_cli(redis_server, "show", key)
     assert ended.returncode == 1  # not held any more, but its outcome is still shown
@@ -180,13 +193,16 @@ def test_show_a_running_then_ended_key_and_an_unknown_one(
 def test_watch_json_and_plain_follow_a_run_to_its_end(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    # long enough that both CLIs (a second or more each to start on a busy machine) find it running
-    sfapp.reporting.delay("cli-watch", 24, 0.25)
-    sfapp.reporting.delay("cli-plain", 24, 0.25)
+    # each step waits for the gate, which opens once both CLIs follow (however slow their starts)
+    sfapp.reporting.delay("cli-watch", 24, 5.0)
+    sfapp.reporting.delay("cli-plain", 24, 5.0)
     running(sfapp, "job:cli-watch")
     running(sfapp, "job:cli-plain")
     as_json = start_cli(redis_server, "watch", "job:cli-watch", "--json")
-    plain = start_cli(redis_server, "watch", "job:cli-plain", "--timeout", "30")
+    plain = start_cli(redis_server, "watch", "job:cli-plain", "--timeout", "60")
+    following(redis_server, 2)
+    open_gate(redis_server, "gate:cli-watch")
+    open_gate(redis_server, "gate:cli-plain")
 
     code, out, err = finish(as_json)
     assert code == 0, err
@@ -212,7 +228,7 @@ def test_watch_json_and_plain_follow_a_run_to_its_end(
 def test_watch_draws_a_progress_bar_on_a_terminal(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    sfapp.reporting.delay("cli-tty", 16, 0.2)
+    sfapp.reporting.delay("cli-tty", 16, 5.0)  # each step until the gate opens, once the CLI follows
     running(sfapp, "job:cli-tty")
     master, replica = pty.openpty()
     env = {**cli_env(redis_server), "COLUMNS": "120", "TERM": "xterm"}
@@ -235,6 +251,8 @@ def test_watch_draws_a_progress_bar_on_a_terminal(
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
+    following(redis_server, 1)
+    open_gate(redis_server, "gate:cli-tty")
     try:
         code = proc.wait(timeout=30)
         reader.join(timeout=5)
@@ -304,7 +322,7 @@ def test_release_asks_then_forces_and_the_holder_loses_its_lease(
 def test_release_json_keeps_stdout_machine_readable(
     sfapp: ModuleType, shared_worker: WorkerProcess, redis_server: RedisServer
 ) -> None:
-    result = sfapp.sleeper.delay("cli-relj", 10)
+    result = sfapp.sleeper.delay("cli-relj", 300)  # held until the gate opens
     wait_for(lambda: sfapp.recorder.get("pid:cli-relj"), timeout=15)
     released = run_cli(redis_server, "release", "k:cli-relj", "--json", input="y\n")
     assert released.returncode == 0, released.stderr
@@ -313,6 +331,8 @@ def test_release_json_keeps_stdout_machine_readable(
         "by": json.loads(released.stdout)["by"],
     }
     assert "[y/N]" in released.stderr and result.id in released.stderr
+    open_gate(redis_server, "gate:cli-relj")
+    assert result.get(timeout=30) == "slept"
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -405,8 +425,7 @@ def test_show_watch_and_release_by_the_tasks_arguments(
         assert json.loads(shown.stdout)["task_id"] == result.id
 
     watched = start_cli(redis_server, "watch", "--task", "sfapp.reporting", "cli-args", "--json")
-    wait_for(lambda: any(c.get("cmd") == "xread" and "b" in c.get("flags", "")  # it follows: let the run end
-                         for c in redis_server.client().client_list()), timeout=30, interval=0.05)
+    following(redis_server, 1)  # it follows the run live: let the run end
     open_gate(redis_server, "gate:cli-args")
     events = list(sfapp.reporting.watch("cli-args"))
     assert events[-1].kind == "end" and events[-1].state == "succeeded"

@@ -155,8 +155,9 @@ def test_a_holder_behind_the_sentinels_is_told_at_once_also_after_a_failover(
             wait_for(lambda: beat.inbox.subscribed.is_set(), timeout=10)
             sent = time.monotonic()
             assert force_release(app, key, by="ops") is not None
-            assert lease.lease.wait_superseded(1.5), f"{key} not told"
-            assert time.monotonic() - sent < 1.5 and "force-released by ops" in lease.lease.lost_reason
+            # under half the first renewal (10 s): only the push tells this soon, even on a loaded machine
+            assert lease.lease.wait_superseded(5.0), f"{key} not told"
+            assert time.monotonic() - sent < 5.0 and "force-released by ops" in lease.lease.lost_reason
 
     with hold(app, "told:warm"):
         pass

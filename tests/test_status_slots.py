@@ -310,7 +310,9 @@ def blocks(text: str) -> list[dict[str, str]]:
 
 
 # about 30 s: thirteen runs of the CLI as a user runs it, each a process that imports Celery and the app
+# (several times that on a loaded machine, hence the timeout)
 @pytest.mark.worker
+@pytest.mark.timeout(300)
 def test_cli_sees_and_releases_each_slot_of_a_key_held_by_three_runs(
     sfapp: ModuleType, start_worker: Any, redis_server: RedisServer
 ) -> None:

@@ -154,7 +154,7 @@ def load(m: Matrix) -> None:
     for n in (1, 2):
         time.sleep(0.1)  # the burst's shape: calls 0.1 s apart (debounce 1 s), not a wait
         m.send("debounce", n, "follower", HOLD, key="b1")
-    wait_for(lambda: m.started(*holders), timeout=15)
+    wait_for(lambda: m.started(*holders), timeout=60)
 
     waiting = [m.send("queue", n, "waiting") for n in (1, 2, 3)]
     waiting += [m.send("ordered", n, "waiting") for n in (1, 2, 3, 4)]
@@ -163,9 +163,9 @@ def load(m: Matrix) -> None:
     # parked at the gate by the waiting worker's main process as their messages arrive
     waiting += [m.send("fair share", n, "waiting", tenant=FAIR_TENANTS[n % 3])
                 for n in range(2, 2 + FAIR_WAITING)]
-    wait_for(lambda: all(parked(c) for c in waiting), timeout=15)
+    wait_for(lambda: all(parked(c) for c in waiting), timeout=60)
     followers = [c for c in m.calls["debounce"] if c.role == "follower"]
-    wait_for(lambda: m.started(leader) and all(c.result.ready() for c in followers), timeout=15)
+    wait_for(lambda: m.started(leader) and all(c.result.ready() for c in followers), timeout=60)
 
     # last, what must still be delayed or in its grace when the fault comes: 8 rate-limited runs
     # (cells 0.25 s apart), supersede (grace 2 s), then debounce burst 2 (due 1 s after its last
