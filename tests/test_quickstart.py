@@ -157,7 +157,10 @@ def test_the_quickstart_runs_as_written(tmp_path: Path, redis_url: str) -> None:
                                   text=True, timeout=60)
             assert done.returncode == 0, f"{line!r} exited {done.returncode}:\n{done.stdout}{done.stderr}"
             if output is not None:
-                assert matches(output, done.stdout), (
+                # the page says so: when the skipped call is noted after the watch began (a busy
+                # machine), the watch shows it too, as one `duplicate skipped` line
+                printed = "\n".join(ln for ln in done.stdout.splitlines() if ln != "duplicate skipped")
+                assert matches(output, printed), (
                     f"{line!r} printed:\n{done.stdout}\nthe page shows:\n{output}")
     finally:
         if worker is not None:

@@ -39,7 +39,7 @@ def run_cli(nsapp: ModuleType, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_every_key_tool_takes_the_tasks_namespace(nsapp: ModuleType) -> None:
     task = nsapp.billing_sleeper
-    result = task.delay("ns", 30)
+    result = task.delay("ns", 600)  # held until the test revokes it, however slow the CLI's starts
     key = task.render_key("ns")
     assert key == "k:ns"
     wait_for(lambda: nsapp.recorder.get("pid:billing:ns"), timeout=15)
