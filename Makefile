@@ -2,7 +2,7 @@
 #   make demo   the example project on an embedded Redis (no service needed)
 #   make test   lint (ruff), types (mypy --strict on the package), the docs site (mkdocs --strict),
 #               the test suite on Debian's Redis 7.0 (with the scripts held to the model:
-#               tests/model) with the protocol's model beside it (SPIN: make model), then the matrix: the core and
+#               tests/model), the protocol's model (SPIN: make model), then the matrix: the core and
 #               the server-sensitive tests on Redis 6.2 with the lowest Celery and redis-py that
 #               pyproject.toml allows, and on Valkey 8 with the highest (make test-matrix)
 #   make docs   the docs site alone, into site/ (open site/index.html)
@@ -19,7 +19,7 @@ HIGHEST := .venv-highest
 LOWEST_STAMP := $(LOWEST)/.installed-core
 HIGHEST_STAMP := $(HIGHEST)/.installed-core
 
-.PHONY: demo test suite-then-matrix model-beside test-under-load test-matrix test-versions docs bench clean model model-long
+.PHONY: demo test test-under-load test-matrix test-versions docs bench clean model model-long
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -43,20 +43,11 @@ test:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
-	@$(MAKE) --no-print-directory -j2 suite-then-matrix model-beside
-
-# the suite, then the matrix (make test runs them with the model's verifiers beside them)
-suite-then-matrix: $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
 	$(VENV)/bin/pytest
+	$(PY) model/check.py
+	$(PY) model/check.py --seeds
 	$(call matrix_tests,$(LOWEST),$(REDIS_62),$(filter-out tests/test_tls_acl.py,$(MATRIX_FILES)))
 	$(VALKEY_RUN)
-
-# the model's verifiers at nice 19 take only the CPU the tests leave idle (most of their time is
-# spent waiting on workers); their table is printed once they are done, not through pytest's lines
-model-beside: $(STAMP)
-	@log=$$(mktemp); status=0; \
-	  { $(PY) model/check.py && $(PY) model/check.py --seeds; } > $$log 2>&1 || status=$$?; \
-	  echo "--- the protocol's model (SPIN), checked beside the tests:"; cat $$log; rm -f $$log; exit $$status
 
 # make test with two CPU-bound busy loops beside it, as on a loaded CI machine (LOAD=N for more):
 # run it before a change to the tests lands; a wait that holds only on an idle machine fails here
@@ -108,8 +99,8 @@ else
 VALKEY_RUN = @echo "valkey-server not found: the Valkey 8 run of the matrix is skipped (Debian: add bookworm-backports, apt install valkey-server)"
 endif
 
-# the lease protocol's model, checked by SPIN (Debian: spin, gcc); also part of make test, beside
-# the tests (model-beside); --seed NAME removes one safeguard, --trail CONFIG prints a counterexample
+# the lease protocol's model, checked by SPIN (Debian: spin, gcc); also part of make test, after
+# the suite; --seed NAME removes one safeguard, --trail CONFIG prints a counterexample
 model:
 	python3 model/check.py
 	python3 model/check.py --seeds

@@ -32,8 +32,6 @@ from pathlib import Path
 HERE = Path(__file__).parent
 #: the search's depth limit: a run that reaches it was cut, which counts as a failure
 DEPTH = 1_000_000
-#: the verifier runs at the lowest CPU priority (``nice`` is in coreutils)
-NICE: tuple[str, ...] = ("nice", "-n", "19") if shutil.which("nice") else ()
 #: no extra defines by default (a seeded fault adds one)
 FIXES: tuple[str, ...] = ()
 #: verifiers at a time: the machine's two cores (each verifier is one process)
@@ -202,11 +200,10 @@ def verify(config: Config, extra: tuple[str, ...] = FIXES, workdir: Path | None 
     shutil.copy(HERE / config.model, work / config.model)
     flags = [f"-D{name}={value}" for name, value in config.defines.items()] + [f"-D{name}" for name in extra]
     start = time.monotonic()
-    # at the lowest priority: beside the model, make test runs timing-sensitive tests on real workers
     subprocess.run(["spin", *flags, "-a", config.model], cwd=work, check=True, capture_output=True, text=True)
-    subprocess.run([*NICE, "gcc", config.opt, "-w", "-DSAFETY", "-DCOLLAPSE", "-DVECTORSZ=4096", "-o", "pan",
+    subprocess.run(["gcc", config.opt, "-w", "-DSAFETY", "-DCOLLAPSE", "-DVECTORSZ=4096", "-o", "pan",
                     "pan.c"], cwd=work, check=True, capture_output=True, text=True)
-    run = subprocess.run([*NICE, "./pan", f"-m{DEPTH}", "-w24"], cwd=work, capture_output=True, text=True)
+    run = subprocess.run(["./pan", f"-m{DEPTH}", "-w24"], cwd=work, capture_output=True, text=True)
     seconds = time.monotonic() - start
     text = run.stdout + run.stderr
     errors = _number(r"errors: (\d+)", text)
