@@ -37,7 +37,7 @@ $(DEMO_STAMP): pyproject.toml
 demo: $(DEMO_STAMP)
 	$(PY) example_project/demo.py
 
-# the three virtualenvs are built side by side (a fresh clone: pip spends most of it waiting)
+# the three virtualenvs are built side by side (on a fresh clone: they do not depend on each other)
 test:
 	@$(MAKE) --no-print-directory -j3 $(STAMP) $(LOWEST_STAMP) $(HIGHEST_STAMP)
 	$(VENV)/bin/ruff check .

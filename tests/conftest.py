@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import redis
 
 from celery_singleflight.protocol.delayed import WORKERS
 from celery_singleflight.testing import RedisServer, WorkerProcess
@@ -162,8 +163,9 @@ def _take(spec: tuple[Any, ...], sfapp: ModuleType) -> WorkerProcess | None:
 
 
 def _idle(worker: WorkerProcess, app: Any) -> bool:
-    """Whether a test left this worker as a fresh one would be: alive, with all its pool
-    processes, and nothing running, reserved, scheduled (a countdown) or waiting in its queue."""
+    """Whether a test left this worker as a fresh one would be: alive, with nothing running,
+    reserved, scheduled (a countdown) or waiting in its queue (prefork replaces a lost pool
+    process by itself)."""
     if worker.proc is None or worker.proc.poll() is not None:
         return False
     inspect = app.control.inspect(destination=[worker.hostname], timeout=2.0)
@@ -293,6 +295,18 @@ def stays(predicate: Callable[[], Any], seconds: float, interval: float = 0.02) 
         if time.monotonic() > deadline:
             return
         time.sleep(interval)
+
+
+def server_ms(client: redis.Redis) -> int:
+    """The server's clock in epoch milliseconds: the one the scripts read (TIME)."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def wait_server_time(client: redis.Redis, at_ms: float, timeout: float = 15.0) -> None:
+    """Until the server's clock reaches ``at_ms``: the scripts judge a due time, a grace or a
+    window by that clock, so the test waits on it, with no margin on its own."""
+    wait_for(lambda: server_ms(client) >= at_ms, timeout=timeout)
 
 
 def open_gate(redis_server: RedisServer, name: str = "gate") -> None:

@@ -15,6 +15,7 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 from celery_singleflight import SingleFlightTask
+from tests.gates import hold
 
 BASE = os.environ.get("SF_TEST_REDIS", "redis://127.0.0.1:6379")
 BROKER = os.environ.get("SF_TEST_BROKER", f"{BASE}/0")
@@ -47,18 +48,9 @@ def record_run(name: str, key: str, seconds: float) -> None:
     recorder.rpush(f"runs:{key}", task_id)
     recorder.rpush("runs", f"{name}:{key}:{task_id}")
     try:
-        hold(seconds, f"gate:{key}")  # a test that must outlast the run opens its gate when done
+        hold(recorder, seconds, f"gate:{key}")  # a test that must outlast the run opens its gate when done
     finally:
         recorder.decr(f"active:{key}")
-
-
-def hold(seconds: float, gate: str = "gate") -> None:
-    """Work for ``seconds``, or until the test opens ``gate`` (``conftest.open_gate``): a holder
-    a test must outlast waits for the test, not for a duration the test hopes is long enough.
-    The recorder db is flushed before each test, so every gate starts closed."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not recorder.exists(gate):
-        time.sleep(0.01)
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="k:<key>", on_duplicate="raise")
@@ -129,7 +121,7 @@ def hard_limited(self, key):
 def sleeper(self, key, seconds=30.0):
     recorder.set(f"pid:{key}", os.getpid())
     recorder.rpush(f"runs:{key}", self.request.id)
-    hold(seconds, f"gate:{key}")
+    hold(recorder, seconds, f"gate:{key}")
     return "slept"
 
 
@@ -174,7 +166,7 @@ def reporting(self, name, steps=5, pause=0.2):
     """Reports progress step by step; watched by the tests."""
     for i in range(steps):
         self.progress("loading", current=i, total=steps, message=f"step {i}", name=name)
-        hold(pause, f"gate:{name}")
+        hold(recorder, pause, f"gate:{name}")
     self.progress("finishing", current=steps, total=steps)
     return steps
 
@@ -322,7 +314,7 @@ def record_limited(key, limit, seconds):
         recorder.rpush("overlaps", f"limit:{key}:{task_id}")
     recorder.rpush(f"runs:{key}", task_id)
     try:
-        hold(seconds, f"gate:{key}")
+        hold(recorder, seconds, f"gate:{key}")
     finally:
         recorder.decr(f"active:{key}")
 

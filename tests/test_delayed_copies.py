@@ -23,7 +23,7 @@ from celery_singleflight.testing import RedisServer
 from celery_singleflight.worker.copies import SendCopies, forget_revoked
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
-from .conftest import wait_for
+from .conftest import wait_server_time
 from .lua_sources import SOURCE
 
 
@@ -48,22 +48,10 @@ GRACE_MS = constants.LUA_CONSTANTS["DELAYED_GRACE_MS"]
 GONE_MS = constants.LUA_CONSTANTS["WORKER_GONE_AFTER_MS"]
 
 
-def server_ms(store: LeaseStore) -> int:
-    """The server's clock in epoch milliseconds, as the delayed scripts read it."""
-    seconds, micros = store.client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
-
-
-def wait_past(store: LeaseStore, at_ms: float) -> None:
-    """Wait until the server's clock reaches ``at_ms``: from then on the scripts count that due
-    time, grace or patience as over (their own judge, no margin on the client's clock)."""
-    wait_for(lambda: server_ms(store) >= at_ms, timeout=15)
-
-
 def grace_over(store: LeaseStore, due: float | None) -> None:
     """Wait until a copy due at ``due`` (epoch seconds, as ``delay`` answers it) is past its grace."""
     assert due is not None
-    wait_past(store, round(due * 1000) + GRACE_MS)
+    wait_server_time(store.client, round(due * 1000) + GRACE_MS)
 
 
 def claimed_at(store: LeaseStore, key: str, task_id: str) -> int:
@@ -133,7 +121,7 @@ def test_a_message_no_worker_noted_gets_its_copy_a_few_seconds_after_its_due_tim
     assert store.delayed.resend("k", "t5", "sweep", []) is None
     score = store.client.zscore(store.layout.delays(), '["k", "t5"]')
     assert score is not None and 0 < score / 1000 - time.time() < constants.DELAYED_UNSEEN_GRACE
-    wait_past(store, score)  # the time its NOT_DUE answer named
+    wait_server_time(store.client, score)  # the time its NOT_DUE answer named
     assert store.delayed.resend("k", "t5", "sweep", []) == copy("{}")
 
 
@@ -243,7 +231,7 @@ def test_a_claim_whose_worker_is_gone_is_taken_back_and_its_run_never_starts(
     store.delayed.delay("k", "t9", "tok", '{"m": 9}', 0.0)
     assert claim(store, "k", "t9", "tok", owner="w1#a", lease="L") == ClaimReply.GO
     assert store.delayed.resend("k", "t9", "sweep-1", ["w1#a"]) is None  # just claimed: not yet looked at
-    wait_past(store, claimed_at(store, "k", "t9") + GONE_MS)
+    wait_server_time(store.client, claimed_at(store, "k", "t9") + GONE_MS)
     assert store.delayed.resend("k", "t9", "sweep-1", ["w1#a", "w2#b"]) is None  # w1 is alive: it stands
     assert store.delayed.resend("k", "t9", "sweep-2", ["w2#b"]) == copy('{"m": 9}', took="L")
     assert store.delayed.resend("k", "t9", "sweep-2", ["w2#b"]) == copy('{"m": 9}', took="L")  # a replay
@@ -270,7 +258,7 @@ def test_a_claim_not_done_in_time_is_taken_back_even_while_its_worker_lives(
     entry["ca"] = str(int(entry["ca"]) - int(constants.DELAYED_CLAIM_PATIENCE * 1000) + 300)
     store.client.hset(store.layout.delayed("k"), "t10", json.dumps(entry))
     assert store.delayed.resend("k", "t10", "sweep", ["w1#a"]) is None
-    wait_past(store, int(entry["ca"]) + constants.LUA_CONSTANTS["DELAYED_CLAIM_PATIENCE_MS"])
+    wait_server_time(store.client, int(entry["ca"]) + constants.LUA_CONSTANTS["DELAYED_CLAIM_PATIENCE_MS"])
     assert store.delayed.resend("k", "t10", "sweep", ["w1#a"]) == copy("{}", took="L")
 
 
@@ -288,7 +276,7 @@ def test_the_sweeper_drops_the_copy_of_a_claimed_run_that_ended(
     store.delayed.delay("q:e", task_id, "tok", message, 0.0)
     assert claim(store, "q:e", task_id, "tok", owner="gone#x") == ClaimReply.GO
     sfapp.app.backend.mark_as_failure(task_id, RuntimeError("worker lost"))
-    wait_past(store, claimed_at(store, "q:e", task_id) + GONE_MS)  # the claim can be taken back
+    wait_server_time(store.client, claimed_at(store, "q:e", task_id) + GONE_MS)  # the claim can be taken back
     store.client.zadd(store.layout.delays(), {json.dumps(["q:e", task_id]): 0})
     assert SendCopies(sfapp.app, store, "me#y").sweep_once() == 0 and sent == []
     assert not store.delayed.waiting("q:e", task_id)

@@ -53,7 +53,7 @@ from celery_singleflight.testing import RedisServer, binary_server_kind
 from celery_singleflight.worker.preflight import preflight
 from celery_singleflight.worker.sweeper import HandOn, Sweeper
 
-from .conftest import TESTS, stays, wait_for, worker_env
+from .conftest import TESTS, stays, wait_for, wait_server_time, worker_env
 
 pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
@@ -98,12 +98,6 @@ def token() -> str:
 
 def names(client: redis.Redis, match: str | None = None) -> set[str]:
     return {raw.decode() for raw in client.scan_iter(match=match, count=1000)}
-
-
-def server_ms(client: redis.Redis) -> int:
-    """The server's clock in epoch milliseconds, as the scripts read it (TIME, in the recommended rule)."""
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def denied(admin: redis.Redis) -> list[tuple[str, str, str]]:
@@ -429,7 +423,7 @@ def full_run(url: str, namespace: str, listing: bool = True) -> None:
     store.delayed.touch([(key, "run-8", "tok-8")], "gone@h")
     assert due is not None
     grace_over = round(due * 1000) + constants.LUA_CONSTANTS["DELAYED_GRACE_MS"]
-    wait_for(lambda: server_ms(store.client) >= grace_over)  # by the clock RESEND judges by
+    wait_server_time(store.client, grace_over)  # by the clock RESEND judges by
     alive = store.delayed.alive("w1@h")
     assert store.delayed.due() == [(key, "run-8")]
     resent = store.delayed.resend(key, "run-8", "sweep-8", alive)

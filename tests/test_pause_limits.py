@@ -31,6 +31,7 @@ from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
 from .conftest import ROOT, stays, wait_for, worker_env
+from .gates import hold
 
 APP_MODULE = "tests.test_pause_limits"
 
@@ -48,12 +49,7 @@ def make_app(base: str) -> Celery:
         recorder.rpush(f"started:{key}", f"{n} {time.time()} {task_id}")
         active = recorder.incr(f"active:{key}")
         recorder.rpush(f"active-seen:{key}", active)
-        if gate is None:
-            time.sleep(seconds)
-        else:
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline and not recorder.exists(gate):
-                time.sleep(0.01)
+        hold(recorder, seconds, gate)
         recorder.decr(f"active:{key}")
         recorder.rpush(f"order:{key}", n)
 

@@ -253,8 +253,8 @@ class WorkerProcess:
     app module reads). ``start()`` returns once the worker answers a ping.
     """
 
-    #: how many workers this process has started (a test suite reports it: each start costs
-    #: about a second of CPU, the first thing to share when a suite grows slow)
+    #: how many workers this process has started (a test suite reports it: each start costs 2 to
+    #: 3 s of CPU with a pool of four, the first thing to share when a suite grows slow)
     starts = 0
 
     def __init__(

@@ -34,6 +34,7 @@ from celery import signals as celery_signals
 
 from celery_singleflight import LeaseLost, SingleFlightTask
 from celery_singleflight.policies.ratelimit import PLANNED_ATTR
+from tests.gates import hold
 
 BASE = os.environ.get("CHAOS_REDIS", "redis://127.0.0.1:6379")
 LEASE_URL = os.environ.get("CHAOS_LEASE_URL", f"{BASE}/2")
@@ -192,27 +193,16 @@ def fenced_write(resource: str, fence: int, value: str) -> bool:
 # -- scenario tasks ----------------------------------------------------------------------------
 
 
-def work(seconds: float, until: str | None = None) -> None:
-    """Work for ``seconds``, or less once the recorder key ``until`` exists: a holder a scenario
-    must outlast waits for the scenario to say so, not for a duration it hopes is long enough."""
-    if until is None:
-        time.sleep(seconds)
-        return
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not recorder.exists(until):
-        time.sleep(0.01)
-
-
 @app.task(bind=True, base=SingleFlightTask, name="chaos.queued", lock_key="c:<key>", on_duplicate="queue")
 def queued(self, key, n, seconds=0.05, first_seconds=None, until=None):
     """Queue policy. ``first_seconds``: how long the first delivery of this task id sleeps (the
-    holder the scenario kills); a redelivery sleeps ``seconds``. ``until``: see :func:`work`."""
+    holder the scenario kills); a redelivery sleeps ``seconds``. ``until``: a gate (tests/gates.py)."""
     deliveries = recorder.incr(f"bodies:{self.request.id}")
     if first_seconds is not None:
         recorder.hset(f"holder:{key}", mapping={"task_id": self.request.id, "pid": os.getpid(),
                                                 "hostname": self.request.hostname or ""})
     with Run(key, "queued", self.lease.fence):
-        work(first_seconds if first_seconds is not None and deliveries == 1 else seconds, until)
+        hold(recorder, first_seconds if first_seconds is not None and deliveries == 1 else seconds, until)
     return n
 
 
@@ -308,7 +298,7 @@ def long_run(self, key, seconds=6.0, until=None):
     """Runs longer than the broker's visibility timeout (redelivery scenario): ``seconds``, or
     until the scenario sets the recorder key ``until`` (see :func:`work`)."""
     with Run(key, "long", self.lease.fence):
-        work(seconds, until)
+        hold(recorder, seconds, until)
     return {"task_id": self.request.id, "pid": os.getpid()}
 
 
@@ -485,5 +475,5 @@ def queued_in_order(self, key, n, seconds=0.05, first_seconds=None, until=None):
     """``queued`` with ``ordered=True``: runs start in send order."""
     recorder.incr(f"bodies:{self.request.id}")
     with Run(key, "queued_in_order", self.lease.fence):
-        work(first_seconds if first_seconds is not None else seconds, until)
+        hold(recorder, first_seconds if first_seconds is not None else seconds, until)
     return n

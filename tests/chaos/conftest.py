@@ -200,10 +200,10 @@ def holder_of(task: Any, *args: Any) -> dict[str, str]:
     return task.store.holder_record(task.render_key(*args))  # type: ignore[no-any-return]
 
 
-def renewed(task: Any, ttl: float, *args: Any, slot: int = 0) -> bool:
-    """The run holding (``slot`` of) the key ``task`` renders for ``args`` renewed its lease at
-    least once: its deadline is later than its take's (its start + ``ttl``, the workers' TTL)."""
-    record = task.store.holder_record(task.render_key(*args), slot)
+def renewed(store: Any, key: str, ttl: float, slot: int = 0) -> bool:
+    """The run holding (``slot`` of) ``key`` renewed its lease at least once: its deadline is
+    later than its take's (its start + ``ttl``, the workers' TTL)."""
+    record = store.holder_record(key, slot)
     return bool(record.token) and record.deadline - record.since > ttl * 1000
 
 

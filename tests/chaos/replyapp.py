@@ -19,6 +19,7 @@ import redis
 from celery import Celery
 
 from celery_singleflight import SingleFlightTask
+from tests.gates import hold
 
 BASE = os.environ.get("CHAOS_REDIS", "redis://127.0.0.1:6379")
 LEASE_URL = os.environ.get("REPLY_LEASE_URL", f"{BASE}/2")
@@ -50,9 +51,7 @@ def body(task: Any, key: str, seconds: float, limit: int = 1, gate: str | None =
     try:
         task.progress("working", current=0, total=1)
         recorder.rpush(f"working:{key}", task_id)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not (gate and recorder.exists(gate)):
-            time.sleep(min(0.01, seconds))
+        hold(recorder, seconds, gate)
         task.progress("done", current=1, total=1)
     finally:
         recorder.decr(f"active:{key}")

@@ -160,7 +160,8 @@ def long_partition(
         wait_for(lambda: chaos.recorder.hget(f"watcher:{key}", "pid"), timeout=20)
         with LeaseMonitor(chaos.watcher, key, holder.id) as monitor:
             # the partition starts right after the lease's first renewal: its clock is known
-            wait_for(lambda: renewed(chaos.watcher, ttl, key), timeout=10, interval=0.005)
+            rendered = chaos.watcher.render_key(key)
+            wait_for(lambda: renewed(chaos.watcher.store, rendered, ttl), timeout=10, interval=0.005)
             cut_at = time.time()
             if mode == "cut":
                 proxy.cut()

@@ -40,7 +40,7 @@ from celery_singleflight import LockHeld, hold
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
 from ..lua_sources import SOURCE
-from .conftest import CHAOS, ROOT, wait_for
+from .conftest import CHAOS, ROOT, renewed, wait_for
 from .faultproxy import CUT_AFTER_SEND, DROP_REPLY, Action, FaultProxy, error_reply, stall_reply
 
 pytestmark = pytest.mark.worker
@@ -134,14 +134,7 @@ def _value(result: AsyncResult) -> Any:
 
 #: the longest a holder holds its key: it ends as soon as the scenario opens its gate
 HOLD_MAX = 120.0
-TTL_MS = 3000  # replyapp's singleflight_ttl
-
-
-def renewed(app: ModuleType, key: str, slot: int = 0) -> bool:
-    """The run holding ``slot`` of ``key`` renewed its lease at least once (its deadline is later
-    than its take's: the run's start + the TTL)."""
-    record = app.queue.store.holder_record(key, slot)
-    return bool(record.token) and record.deadline - record.since > TTL_MS
+TTL = 3.0  # replyapp's singleflight_ttl
 
 
 def run_workloads(app: ModuleType, tag: str, decide_within: float = 30.0) -> list[Expect]:
@@ -188,7 +181,7 @@ def run_workloads(app: ModuleType, tag: str, decide_within: float = 30.0) -> lis
             behind = [app.queue.apply_async((k["hold"], 1.0), **q),
                       app.join.apply_async((k["hold"], 1.0), **q)]
             wait_for(lambda: all(r.state in ("QUEUED", "JOINED") for r in behind), timeout=20)
-            wait_for(lambda: renewed(app, hold_key), timeout=10)  # its heartbeat renewed it
+            wait_for(lambda: renewed(app.queue.store, hold_key, TTL), timeout=10)  # its heartbeat renewed it
 
         def met_their_holders() -> bool:
             """Each duplicate took its policy's way while its holder holds, and each holder renewed."""
@@ -196,7 +189,7 @@ def run_workloads(app: ModuleType, tag: str, decide_within: float = 30.0) -> lis
                     and all(r.state == "RETRY" for r in dups["retry"])
                     and all(r.state == "QUEUED" for r in [*dups["queue"], *dups["limited"]])
                     and all(r.state == "JOINED" for r in dups["join"])
-                    and all(renewed(app, app.queue.render_key(k[name]), slot)
+                    and all(renewed(app.queue.store, app.queue.render_key(k[name]), TTL, slot)
                             for name, c in counts.items() for slot in range(c)))
 
         wait_for(met_their_holders, timeout=decide_within, interval=0.05)

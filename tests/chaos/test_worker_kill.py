@@ -62,7 +62,7 @@ def test_whole_worker_killed_mid_run(
              timeout=20)
     # a renewal happened, so the lease time left at the kill is not trivially full (its deadline is
     # later than its take's: start + TTL)
-    wait_for(lambda: renewed(chaos.queued, TTL, key, 0), timeout=10)
+    wait_for(lambda: renewed(chaos.queued.store, rendered, TTL), timeout=10)
     # two workers park concurrently, so the FIFO is the order they parked in, not the send order
     store = chaos.queued.store
     fifo = [e.decode().split("|")[0] for e in store.client.lrange(store.layout.queue(rendered), 0, -1)]

@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
 from celery_singleflight.ops.acl import (
     LIBRARY_COMMANDS,
@@ -26,17 +25,11 @@ from celery_singleflight.protocol.store import store_for
 from celery_singleflight.protocol.timing import DueReply
 from celery_singleflight.testing import RedisServer, binary_server_kind
 
-from ..conftest import wait_for
+from ..conftest import wait_server_time
 
 pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "isolation.md"
-
-
-def server_ms(client: redis.Redis) -> int:
-    """The server's clock, in ms: the one the debounce scripts read."""
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def test_the_documented_acl_and_its_time_policy_commands_are_enough(redis_server: RedisServer) -> None:
@@ -67,7 +60,7 @@ def test_the_documented_acl_and_its_time_policy_commands_are_enough(redis_server
         # the burst is due once the server's clock passes its due time (read as the admin: the
         # tenant's user may not HGET or TIME, and a refusal would be in the ACL log)
         burst = store.layout.debounce("k")
-        wait_for(lambda: server_ms(admin) >= int(admin.hget(burst, "due")), timeout=10)
+        wait_server_time(admin, int(admin.hget(burst, "due")))
         assert store.timing.due("k", "a", "a", "t1").kind == DueReply.RUN
         assert store.timing.due("k", "b", "a", "t2").kind == DueReply.FOLDED
         seen = read_time_status(store, "k")

@@ -18,7 +18,7 @@ from celery_singleflight.protocol.timing import DueReply
 from celery_singleflight.run.messages import HEADER_SENT
 from celery_singleflight.testing import RedisServer
 
-from ..conftest import wait_for
+from ..conftest import wait_server_time
 from .conftest import starts
 
 pytestmark = pytest.mark.worker
@@ -33,13 +33,7 @@ def pace(start: float, at: float) -> None:
 def wait_burst_due(store: LeaseStore, key: str) -> None:
     """Until the server's clock, which the debounce scripts read, reaches the due time of the
     open burst of ``key`` (its debounce window has passed)."""
-    client, burst = store.client, store.layout.debounce(key)
-
-    def due() -> bool:
-        seconds, micros = client.time()
-        return int(seconds) * 1000 + int(micros) // 1000 >= int(client.hget(burst, "due"))
-
-    wait_for(due, timeout=10)
+    wait_server_time(store.client, int(store.client.hget(store.layout.debounce(key), "due")))
 
 
 def test_a_burst_of_50_calls_is_one_run_a_second_after_the_last_with_its_payload(

@@ -18,7 +18,7 @@ from celery_singleflight.policies.ratelimit import parse_rate, reserve
 from celery_singleflight.protocol.store import store_for
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from ..conftest import wait_for
+from ..conftest import wait_for, wait_server_time
 from .conftest import starts
 
 FULL = os.environ.get("SF_RATE_FULL") == "1"
@@ -38,13 +38,7 @@ def most_in_window(times: list[float], window: float) -> int:
 def wait_late(redis_server: RedisServer, planned: float) -> None:
     """Until a run planned at ``planned`` (epoch seconds) comes late by more than RATE_LATE: by the
     server's clock, which the rate script reads (a millisecond more: ``planned`` is rounded)."""
-    client = redis_server.client(2)
-
-    def late() -> bool:
-        seconds, micros = client.time()
-        return int(seconds) + int(micros) / 1_000_000 > planned + constants.RATE_LATE + 0.001
-
-    wait_for(late, timeout=10)
+    wait_server_time(redis_server.client(2), (planned + constants.RATE_LATE + 0.001) * 1000 + 1)
 
 
 def check_paced(timeapp: ModuleType, workers: Callable[..., WorkerProcess], *, n_workers: int, rate: str,
