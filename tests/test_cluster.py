@@ -111,7 +111,7 @@ def test_every_policy_progress_and_status_on_the_cluster(
     max_concurrency, progress and heartbeat tasks correctly; the status reader, held() and the
     CLI (ls, show) read them across all nodes, without KEYS."""
     worker: WorkerProcess = start_worker(concurrency=6, env=lease_env)
-    keys = run_policy_mix(sfapp, worker.queue, "cl")
+    keys = run_policy_mix(sfapp, worker.queue, "cl", store_for(cluster.url, "sf"))
     # held until the test revokes it, however long the checks and CLI starts take on a busy machine
     sleeper = sfapp.sleeper.apply_async(("cl-held", 600.0), queue=worker.queue)
     reader = StatusReader(store_for(cluster.url, "sf"))

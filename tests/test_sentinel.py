@@ -135,8 +135,9 @@ def test_leases_after_a_sentinel_failover_work_and_a_held_one_is_kept(
         assert not lease.lost
         record = group.server_on(new_port).client().get("sf:{failover:kept}:run")
         assert record is not None and b'"kept"' in record
-    keys = run_policy_mix(sfapp, worker.queue, "fo")
-    reader = StatusReader(store_for(target_from_settings(group.url, group.transport_options()), "sf"))
+    store = store_for(target_from_settings(group.url, group.transport_options()), "sf")
+    keys = run_policy_mix(sfapp, worker.queue, "fo", store)
+    reader = StatusReader(store)
     check_outcomes(reader, keys)
 
 

@@ -115,8 +115,9 @@ def test_a_real_worker_runs_every_policy_over_tls_as_the_acl_user(
     url = f"rediss://sf-tls:{PASSWORD}@127.0.0.1:{tls_redis.port}/0"
     worker = start_worker(concurrency=6, env={"SF_TEST_LEASE_REDIS": url,
                                               "SF_TEST_LEASE_OPTIONS": json.dumps(options)})
-    keys = run_policy_mix(sfapp, worker.queue, "tls")
-    check_outcomes(StatusReader(LeaseStore(admin, KeyLayout("sf"))), keys)
+    store = LeaseStore(admin, KeyLayout("sf"))
+    keys = run_policy_mix(sfapp, worker.queue, "tls", store)
+    check_outcomes(StatusReader(store), keys)
     assert admin.acl_log(count=100) == []
     clients = admin.client_list()
     assert any(c.get("user") == "sf-tls" for c in clients)

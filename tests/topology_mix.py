@@ -12,22 +12,26 @@ import pytest
 from celery_singleflight import LockHeld
 from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.policies.duplicates import is_skipped
+from celery_singleflight.protocol.handoff import JOINED, QUEUE
+from celery_singleflight.protocol.store import LeaseStore
 
 from .conftest import wait_for
 
 
-def run_policy_mix(sfapp: ModuleType, queue: str, tag: str) -> dict[str, Any]:
+def run_policy_mix(sfapp: ModuleType, queue: str, tag: str, store: LeaseStore) -> dict[str, Any]:
     """Run the mix on the worker consuming ``queue`` (with 6 pool processes: five holders run at
-    once, and one is left for the duplicates); keys are made unique with ``tag``.
+    once, and one is left for the duplicates); keys are made unique with ``tag``; ``store`` reads
+    the worker's lease Redis (the queue and join holders run until their waiters are in it).
 
     Returns the rendered lock keys used (for status checks against the lease Redis)."""
     skip_key, raise_key, q_key, j_key, lim_key, r_key, hb_key = (f"{tag}-{n}" for n in
                                                                   ("s", "r", "q", "j", "l", "p", "hb"))
     renewing = sfapp.heartbeat_check.apply_async((hb_key, 2.0), queue=queue)  # TTL 1.5 s
-    skip_holder = sfapp.hold_skip.apply_async((skip_key, 3.0), queue=queue)
-    raise_holder = sfapp.hold_raise.apply_async((raise_key, 3.0), queue=queue)
-    q_holder = sfapp.queued.apply_async((q_key, 0, 0.8), queue=queue)
-    j_holder = sfapp.joined.apply_async((j_key, "v", 0.8), queue=queue)
+    # the holders run until their duplicates have taken their way (each opens its gate, below)
+    skip_holder = sfapp.hold_skip.apply_async((skip_key, 60), queue=queue)
+    raise_holder = sfapp.hold_raise.apply_async((raise_key, 60), queue=queue)
+    q_holder = sfapp.queued.apply_async((q_key, 0, 60), queue=queue)
+    j_holder = sfapp.joined.apply_async((j_key, "v", 60), queue=queue)
     wait_for(lambda: all(sfapp.recorder.llen(f"runs:{k}") for k in (skip_key, raise_key, q_key, j_key)),
              timeout=20)
     skipped = sfapp.hold_skip.apply_async((skip_key,), queue=queue)
@@ -36,10 +40,16 @@ def run_policy_mix(sfapp: ModuleType, queue: str, tag: str) -> dict[str, Any]:
     joiner = sfapp.joined.apply_async((j_key, "w", 0.01), queue=queue)
     limited = [sfapp.limited.apply_async((lim_key, 0.3), queue=queue) for _ in range(5)]
     report = sfapp.reporting.apply_async((r_key, 3, 0.05), queue=queue)
+    wait_for(lambda: store.client.llen(store.layout.key(QUEUE, f"q:{q_key}")) == 2
+             and store.client.llen(store.layout.key(JOINED, f"j:{j_key}")) == 1, timeout=30)
+    for key in (q_key, j_key):
+        sfapp.recorder.set(f"gate:{key}", 1)
 
     assert is_skipped(skipped.get(timeout=30))
     with pytest.raises(LockHeld):
         refused.get(timeout=30)
+    for key in (skip_key, raise_key):
+        sfapp.recorder.set(f"gate:{key}", 1)
     assert [r.get(timeout=30) for r in (q_holder, *parked)] == [0, 1, 2]
     assert sfapp.recorder.lrange(f"order:{q_key}", 0, -1) == [b"0", b"1", b"2"]
     joined, held = joiner.get(timeout=30), j_holder.get(timeout=30)

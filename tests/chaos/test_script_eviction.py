@@ -110,7 +110,7 @@ def test_scripts_flushed_every_20ms_lose_nothing_and_rerun_nothing(
     began = time.monotonic()
     flusher.start()
     try:
-        keys = run_policy_mix(sfapp, worker.queue, TAG)
+        keys = run_policy_mix(sfapp, worker.queue, TAG, LeaseStore(admin, KeyLayout("sf")))
     finally:
         flusher.stop()
     took = time.monotonic() - began
