@@ -1619,3 +1619,34 @@ def test_a_copy_finding_a_second_reservation_for_its_token_is_a_copy(store: Leas
         assert store.release("k", ran, fence=took.fence, slot=0, slots=2, task_id="c")
     copy_of_it = store.acquire("k", _token(), TTL, Holder("c"), handoff="hc", slots=2)
     assert not copy_of_it.acquired and copy_of_it.copy, f"the parked run ran a second time: {copy_of_it}"
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: RESUME ends only the dead holders whose leases ran out"
+                   " at a hand-on; a second slot's dead holder whose lease runs out after the queue drained"
+                   " stays PENDING (found by test_nothing_lost[holders-worker] on a loaded machine)")
+def test_a_dead_holder_of_a_second_slot_is_ended_after_the_queue_drained_through_the_first(
+    store: LeaseStore,
+) -> None:
+    """Given two slots held by runs whose worker died and two runs parked, when slot 0's lease runs
+    out first, the sweeper hands it on (ending a), and both parked runs run through slot 0 before
+    slot 1's lease runs out, then the sweeper's next look still names b, whose key runs waited on,
+    as dead (docs/guarantees.md: it ends RunLost)."""
+    a, b = _token(), _token()
+    assert isinstance(store.acquire("k", a, TTL, Holder("a", "w1", "t.a"), slots=2), Acquired)
+    assert isinstance(store.acquire("k", b, TTL, Holder("b", "w1", "t.b"), slots=2), Acquired)
+    for run in ("c", "d"):
+        message = _parked_message(run, f"h{run}")
+        assert isinstance(store.handoff.park("k", run, f"h{run}", message, None, 2), Parked)
+    _run_out(store.client, store.layout.run("k", 0))
+    first = store.handoff.resume("k", TTL, 2)
+    assert first is not None and first.handoff == _parked_message("c", "hc")
+    assert [d.task_id for d in first.dead] == ["a"]
+    for run, then in (("c", _parked_message("d", "hd")), ("d", None)):
+        token = _token()
+        took = store.acquire("k", token, TTL, Holder(run), handoff=f"h{run}", slots=2)
+        assert isinstance(took, Acquired) and took.slot == 0
+        released = store.release("k", token, fence=took.fence, slot=0, slots=2, task_id=run)
+        assert released and released.handoff == then
+    _run_out(store.client, store.layout.run("k", 1))
+    later = store.handoff.resume("k", TTL, 2)
+    assert later is not None and [d.task_id for d in later.dead] == ["b"]
