@@ -42,14 +42,20 @@ def test_fifo_50_runs_one_at_a_time_in_dispatch_order(
     assert st is not None and not st.held and st.queued == 0
 
 
-def test_two_keys_interleaved_keep_their_own_order(sfapp: ModuleType, start_worker: object) -> None:
+def test_two_keys_interleaved_keep_their_own_order(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
     q = start_worker(concurrency=3).queue  # type: ignore[operator]  # two holders, one slot parks
-    holders = [sfapp.queued.apply_async((k, 0, 1.0), queue=q) for k in ("ka", "kb")]
+    # the holders run until every later run is parked (their gates, below)
+    holders = [sfapp.queued.apply_async((k, 0, 120), queue=q) for k in ("ka", "kb")]
     wait_for(lambda: sfapp.recorder.llen("runs:ka") and sfapp.recorder.llen("runs:kb"), timeout=15)
     results = []
     for n in range(1, 16):
         for k in ("ka", "kb"):
             results.append(sfapp.queued.apply_async((k, n, 0.005), queue=q))
+    for k in ("ka", "kb"):
+        wait_for(lambda k=k: sf.status(sfapp.app, f"q:{k}").queued == 15, timeout=30)  # type: ignore[union-attr]
+        open_gate(redis_server, f"gate:{k}")
     for r in [*holders, *results]:
         r.get(timeout=60)
     assert order(sfapp, "ka") == list(range(16))
@@ -95,9 +101,12 @@ def test_lost_host_queue_resumes_within_about_one_ttl(
     assert order(sfapp, "host") == [1, 2, 3]
 
 
-def test_bounded_queue_overflow_fails_with_queue_full(sfapp: ModuleType, start_worker: object) -> None:
+def test_bounded_queue_overflow_fails_with_queue_full(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
     q = start_worker(concurrency=2).queue  # type: ignore[operator]
-    holder = sfapp.queued_bounded.apply_async(("full", 0, 1.5), queue=q)
+    # the holder runs until the overflow was refused (its gate, below)
+    holder = sfapp.queued_bounded.apply_async(("full", 0, 120), queue=q)
     wait_for(lambda: sfapp.recorder.llen("runs:full") >= 1, timeout=15)
     waiting = [sfapp.queued_bounded.apply_async(("full", n, 0.01), queue=q) for n in (1, 2)]
     wait_for(lambda: sf.status(sfapp.app, "q:full").queued == 2, timeout=15)  # type: ignore[union-attr]
@@ -105,13 +114,16 @@ def test_bounded_queue_overflow_fails_with_queue_full(sfapp: ModuleType, start_w
     with pytest.raises(QueueFull) as info:
         overflow.get(timeout=15)
     assert info.value.queued == 2 and info.value.holder == holder.id
+    open_gate(redis_server, "gate:full")
     assert [r.get(timeout=30) for r in waiting] == [1, 2]
 
 
 @pytest.mark.core
-def test_a_parked_run_shows_as_queued_to_its_caller(sfapp: ModuleType, start_worker: object) -> None:
+def test_a_parked_run_shows_as_queued_to_its_caller(
+    sfapp: ModuleType, start_worker: object, redis_server: RedisServer
+) -> None:
     q = start_worker(concurrency=2).queue  # type: ignore[operator]
-    sfapp.queued.apply_async(("state", 0, 1.0), queue=q)
+    sfapp.queued.apply_async(("state", 0, 120), queue=q)  # runs until the test has looked (its gate)
     wait_for(lambda: sfapp.recorder.llen("runs:state") >= 1, timeout=15)
     parked = sfapp.queued.apply_async(("state", 1, 0.01), queue=q)
     meta = wait_for(lambda: (m := states.read(parked)) and m.state == states.QUEUED and m, timeout=15)
@@ -119,4 +131,5 @@ def test_a_parked_run_shows_as_queued_to_its_caller(sfapp: ModuleType, start_wor
                                            holder=meta.holder)
     assert meta.holder
     assert not parked.ready()
+    open_gate(redis_server, "gate:state")
     assert parked.get(timeout=15) == 1
