@@ -108,8 +108,7 @@ class JoinReply(Replies):
 
 
 class ResumeReply(Replies):
-    NOTHING_WAITS = 0, ("{NOTHING_WAITS, k, k x (dead task id, its worker, its task name)}: no run is parked"
-                        " or joined; the holders that died on the key are named (they end as lost)")
+    NOTHING_WAITS = 0, "{NOTHING_WAITS}: no run is parked or joined"
     ALL_HELD = 1, "{ALL_HELD, ms until a lease runs out}: look again then"
     HANDED_ON = 2, ("{HANDED_ON, reservation ms, message or '', k, k x (dead task id, its worker, its task"
                     " name), orphaned joined runs...}")
@@ -134,11 +133,6 @@ FORCE_RELEASE = Script("FORCE_RELEASE", "handoff/force_release.lua",
                        (*_LIBS, "lease/lease.lua", "inbox/inbox.lua"),
                        replies=(ForceReleaseReply, VersionReply), constants={**_LUA, **INBOX_CONSTANTS})
 SCRIPTS = (PARK, JOIN, RESUME, FORCE_RELEASE)
-
-
-def _dead_of(parts: Any, named: int) -> tuple[DeadHolder, ...]:
-    """The ``named`` dead holders at the start of ``parts`` (task id, worker, task name each)."""
-    return tuple(DeadHolder(*(text(part) for part in parts[i:i + 3])) for i in range(0, 3 * named, 3))
 
 
 def _settlement(reply: Any, first: int) -> Settlement:
@@ -220,17 +214,13 @@ class HandoffCalls(Feature):
             client.zrem(index, key)
             if client.llen(layout.key(QUEUE, key)) or client.llen(layout.key(JOINED, key)):
                 self._waiting_due(key, constants.RESUME_GRACE)  # arrived meanwhile
-            # holders that died while runs waited here, their leases run out after the runs went on
-            named = int(reply[1]) if len(reply) > 1 else 0
-            if not named:
-                return None
-            return Settlement(True, None, (), _dead_of(reply[2:], named))
+            return None
         self._waiting_due(key, int(reply[1]) / 1000.0 + constants.RESUME_GRACE, earlier_only=False)
         if code != ResumeReply.HANDED_ON:
             return None
         named, rest = int(reply[3]), reply[4:]
-        return Settlement(True, text(reply[2]) or None, tuple(text(m) for m in rest[3 * named:]),
-                          _dead_of(rest, named))
+        dead = tuple(DeadHolder(*(text(part) for part in rest[i:i + 3])) for i in range(0, 3 * named, 3))
+        return Settlement(True, text(reply[2]) or None, tuple(text(m) for m in rest[3 * named:]), dead)
 
     def taken_joined(self, key: str) -> tuple[dict[str, int], int]:
         """The recent releases of ``key`` that took joined runs (release token -> when, server ms),

@@ -13,8 +13,7 @@
 -- ARGV[2] - n, the number of slots
 -- ARGV[3] - a call id unique to this check (a second run of it answers the same)
 -- ARGV[4] - how long a record outlives its lease, milliseconds
--- return {NOTHING_WAITS, k, then the task id, worker and task name of each of the k runs whose
---        lease ran out unreleased on a slot of the key}; {ALL_HELD, ms until a lease runs out or the pause ends} (check again then);
+-- return {NOTHING_WAITS}; {ALL_HELD, ms until a lease runs out or the pause ends} (check again then);
 --        {MORE_SLOTS, slots} if the key's limits allow more slots than were named;
 --        {HANDED_ON, reservation ms, message or '', k, then the task id, worker and task name of
 --        each of the k runs whose lease ran out unreleased on a slot of the key, orphaned joined
@@ -47,16 +46,7 @@ if redis.call('HEXISTS', settled, by) == 1 then
   return append(handed('', nil), settled_for(settled, by))
 end
 if redis.call('LLEN', queue) == 0 and redis.call('LLEN', joined) == 0 then
-  -- runs waited on the key (it is in the waiting index): a holder that died meanwhile, whose lease
-  -- ran out only after they had all gone on through another slot, is named too (it ends RunLost)
-  local dead = {}
-  for i = 1, n do
-    local r = recs[i]
-    if expired(r, now) and r.task_id then
-      append(dead, {r.task_id, r.worker or '', r.task_name or ''})
-    end
-  end
-  return append({NOTHING_WAITS, #dead / 3}, dead)
+  return {NOTHING_WAITS}
 end
 local version = foreign(recs, n)
 if version then
