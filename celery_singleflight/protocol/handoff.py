@@ -108,7 +108,9 @@ class JoinReply(Replies):
 
 
 class ResumeReply(Replies):
-    NOTHING_WAITS = 0, "{NOTHING_WAITS}: no run is parked or joined"
+    NOTHING_WAITS = 0, ("{NOTHING_WAITS, ms until a live lease runs out or -1, k, k x (dead task id, its"
+                        " worker, its task name)}: no run is parked or joined; the holders that died on"
+                        " the key are named (they end as lost); look again then if a lease is live")
     ALL_HELD = 1, "{ALL_HELD, ms until a lease runs out}: look again then"
     HANDED_ON = 2, ("{HANDED_ON, reservation ms, message or '', k, k x (dead task id, its worker, its task"
                     " name), orphaned joined runs...}")
@@ -133,6 +135,11 @@ FORCE_RELEASE = Script("FORCE_RELEASE", "handoff/force_release.lua",
                        (*_LIBS, "lease/lease.lua", "inbox/inbox.lua"),
                        replies=(ForceReleaseReply, VersionReply), constants={**_LUA, **INBOX_CONSTANTS})
 SCRIPTS = (PARK, JOIN, RESUME, FORCE_RELEASE)
+
+
+def _dead_of(parts: Any, named: int) -> tuple[DeadHolder, ...]:
+    """The ``named`` dead holders at the start of ``parts`` (task id, worker, task name each)."""
+    return tuple(DeadHolder(*(text(part) for part in parts[i:i + 3])) for i in range(0, 3 * named, 3))
 
 
 def _settlement(reply: Any, first: int) -> Settlement:
@@ -192,9 +199,10 @@ class HandoffCalls(Feature):
     def resume(self, key: str, ttl: float, slots: int = 1) -> Settlement | None:
         """Look at one waiting key. If a slot is free (its holder ended without handing it on),
         hand it to the first parked run and take the runs joined to a gone holder (the
-        settlement); plan the next look, or drop the key from the index when nothing waits. A
-        paused key is looked at again when its pause ends; a key whose limits allow more slots
-        is looked at with them (the slots this process's acquires learnt)."""
+        settlement); name the holders that died on it (also once nothing waits: they end lost);
+        plan the next look, or drop the key from the index when nothing waits and no lease is
+        live. A paused key is looked at again when its pause ends; a key whose limits allow more
+        slots is looked at with them (the slots this process's acquires learnt)."""
         layout = self.ctx.layout
         slots, call = slots_for(layout.namespace, key, slots), uuid.uuid4().hex
         while True:
@@ -211,16 +219,22 @@ class HandoffCalls(Feature):
         code = int(reply[0])
         client, index = self.ctx.client, layout.index(WAITING)
         if code == ResumeReply.NOTHING_WAITS:
-            client.zrem(index, key)
-            if client.llen(layout.key(QUEUE, key)) or client.llen(layout.key(JOINED, key)):
-                self._waiting_due(key, constants.RESUME_GRACE)  # arrived meanwhile
-            return None
+            # runs waited here: a holder that dies after they went on is named once its lease ran
+            # out, so the key is looked at again while a lease is live, and leaves the index after
+            left, named = int(reply[1]), int(reply[2])
+            if left >= 0:
+                self._waiting_due(key, left / 1000.0 + constants.RESUME_GRACE, earlier_only=False)
+            else:
+                client.zrem(index, key)
+                if client.llen(layout.key(QUEUE, key)) or client.llen(layout.key(JOINED, key)):
+                    self._waiting_due(key, constants.RESUME_GRACE)  # arrived meanwhile
+            return Settlement(True, None, (), _dead_of(reply[3:], named)) if named else None
         self._waiting_due(key, int(reply[1]) / 1000.0 + constants.RESUME_GRACE, earlier_only=False)
         if code != ResumeReply.HANDED_ON:
             return None
         named, rest = int(reply[3]), reply[4:]
-        dead = tuple(DeadHolder(*(text(part) for part in rest[i:i + 3])) for i in range(0, 3 * named, 3))
-        return Settlement(True, text(reply[2]) or None, tuple(text(m) for m in rest[3 * named:]), dead)
+        return Settlement(True, text(reply[2]) or None, tuple(text(m) for m in rest[3 * named:]),
+                          _dead_of(rest, named))
 
     def taken_joined(self, key: str) -> tuple[dict[str, int], int]:
         """The recent releases of ``key`` that took joined runs (release token -> when, server ms),

@@ -479,14 +479,15 @@ class Model:
         return ("STARTED", owed, record.sup_by if record is not None else None)
 
     def resume(self, call: str) -> Reply:
-        """RESUME, the sweeper's look: ``NOTHING_WAITS`` with no run parked or joined;
+        """RESUME, the sweeper's look: ``NOTHING_WAITS`` with no run parked or joined (naming every
+        holder that died on the key);
         ``ALL_HELD`` when no slot is free (or nothing was handed on); else the first free slot
         goes to the first parked run (its message to the caller) and, the first slot free, the
         joined runs of its gone holder come back (to answer). Also every holder that died on the
         key (:meth:`dead_on_key`): the sweeper's settlement ends those runs."""
         st = self.store
-        if not st.queue and not st.joined:
-            return ("NOTHING_WAITS",)
+        if not st.queue and not st.joined:  # a holder that died while runs waited is named still
+            return ("NOTHING_WAITS", self.dead_on_key(None))
         slot = self.free_slot()
         if slot is None:
             return ("ALL_HELD",)
@@ -505,7 +506,7 @@ class Model:
         return ("HANDED_ON", message, joined, self.dead_on_key(handed))
 
     def dead_on_key(self, reserved: Reserved | None) -> tuple[str, ...]:
-        """Whom a RESUME that handed a slot on (``reserved``, None if it handed none) names dead,
+        """Whom a RESUME names dead (``reserved``: the slot it handed on, None if it handed none),
         in order: the holder that died on the slot handed on (the reservation keeps it), then
         every other holder whose lease ran out unreleased on a slot of the key. A second run of
         the call names them as they are then."""

@@ -13,7 +13,10 @@
 -- ARGV[2] - n, the number of slots
 -- ARGV[3] - a call id unique to this check (a second run of it answers the same)
 -- ARGV[4] - how long a record outlives its lease, milliseconds
--- return {NOTHING_WAITS}; {ALL_HELD, ms until a lease runs out or the pause ends} (check again then);
+-- return {NOTHING_WAITS, ms until a live lease runs out or -1, k, then the task id, worker and
+--        task name of each of the k runs whose lease ran out unreleased on a slot of the key}
+--        (look again then if a lease is live: its holder may die too); {ALL_HELD, ms until a
+--        lease runs out or the pause ends} (check again then);
 --        {MORE_SLOTS, slots} if the key's limits allow more slots than were named;
 --        {HANDED_ON, reservation ms, message or '', k, then the task id, worker and task name of
 --        each of the k runs whose lease ran out unreleased on a slot of the key, orphaned joined
@@ -46,7 +49,22 @@ if redis.call('HEXISTS', settled, by) == 1 then
   return append(handed('', nil), settled_for(settled, by))
 end
 if redis.call('LLEN', queue) == 0 and redis.call('LLEN', joined) == 0 then
-  return {NOTHING_WAITS}
+  -- runs waited on the key (it is in the waiting index): a holder that died meanwhile is named
+  -- once its lease ran out, also after they all went on through another slot (it ends RunLost),
+  -- and while a lease is live the key is looked at again when it would run out
+  local dead, left = {}, -1
+  for i = 1, n do
+    local r = recs[i]
+    if expired(r, now) and r.task_id then
+      append(dead, {r.task_id, r.worker or '', r.task_name or ''})
+    elseif live(r, now) and not r.reserved then
+      local ms_left = tonumber(r.deadline) - now
+      if left < 0 or ms_left < left then
+        left = ms_left
+      end
+    end
+  end
+  return append({NOTHING_WAITS, left, #dead / 3}, dead)
 end
 local version = foreign(recs, n)
 if version then
