@@ -23,8 +23,9 @@ from celery import states as celery_states
 import celery_singleflight as sf
 from celery_singleflight import LeaseLost, Superseded, hold
 from celery_singleflight.ops.acl import acl_rule
-from celery_singleflight.protocol.inbox import Told
-from celery_singleflight.protocol.replies import Holder
+from celery_singleflight.protocol.inbox import Told, inbox_channel
+from celery_singleflight.protocol.replies import Holder, this_process
+from celery_singleflight.protocol.store import KeyLayout
 from celery_singleflight.run.heartbeat import heartbeat_for
 from celery_singleflight.testing import RedisServer, binary_server_kind
 
@@ -191,6 +192,25 @@ def _inbox_ready(app: Celery, key: str) -> Any:
     return beat
 
 
+def _cut_inbox(beat: Any) -> None:
+    """Kill this process's inbox connection, and no other: the suite's server is shared, and
+    killing every pub/sub client cut the other test processes' result consumers (Celery 5.3's
+    gives up reconnecting after 20 s) and the shared workers' inboxes."""
+    client = beat.store.client
+    mine = [conn._sock.getsockname() for conn in list(client.connection_pool._in_use_connections)
+            if conn._sock is not None]
+    assert sum(client.client_kill_filter(_type="pubsub", addr=f"{host}:{port}")
+               for host, port, *_ in mine) == 1
+
+
+def _subscribers(beat: Any, app: Celery) -> int:
+    """How many connections the server has subscribed to this process's inbox of ``app``'s
+    namespace (the event that proves the listener is back: its ``subscribed`` flag may be set by
+    the old one before it saw the cut)."""
+    channel = inbox_channel(KeyLayout(app.conf.singleflight_namespace), *this_process())
+    return int(dict(beat.store.client.pubsub_numsub(channel))[channel.encode()])
+
+
 def test_a_hold_learns_a_force_release_through_the_push(app: Celery) -> None:
     """Given a hold with the default TTL, when its key is force-released, the hold's lease is lost
     within a second (the push), and wait_superseded() returns True."""
@@ -217,8 +237,7 @@ def test_a_lost_push_is_caught_by_the_renewal(app: Celery) -> None:
     key = f"cut-{uuid.uuid4().hex[:6]}"
     beat = _inbox_ready(app, key + "-warm")
     beat.inbox.stop()
-    client = beat.store.client
-    client.client_kill_filter(_type="pubsub")
+    _cut_inbox(beat)
     wait_for(lambda: not (beat.inbox._thread and beat.inbox._thread.is_alive()), timeout=5)
     heard = beat.inbox.heard
     try:
@@ -250,9 +269,9 @@ def test_the_inbox_listens_again_after_its_connection_is_cut(app: Celery) -> Non
     subscribes again (within about a second), and the next force-release is told by the push."""
     key = f"again-{uuid.uuid4().hex[:6]}"
     beat = _inbox_ready(app, key + "-warm")
-    beat.inbox.subscribed.clear()
-    assert beat.store.client.client_kill_filter(_type="pubsub") >= 1
-    assert beat.inbox.subscribed.wait(5), "the inbox did not subscribe again"
+    _cut_inbox(beat)
+    assert _subscribers(beat, app) == 0  # the server dropped it with the connection
+    wait_for(lambda: _subscribers(beat, app) == 1, timeout=5)  # "the inbox did not subscribe again"
     heard = beat.inbox.heard
     with hold(app, key) as lease:
         sent = time.monotonic()
