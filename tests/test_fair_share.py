@@ -284,10 +284,12 @@ def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_b
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Given both slots held, a burst of 20 runs parked by one process enters the gate in the
-    waiting index once, not 20 times (a run parked behind others finds it there); once the queue
-    empties and the sweeper drops the gate, the next run parked enters it again at once (within
-    the same second), so that a dead holder's slot is still handed on. (The freshness window is
-    made long: a loaded machine must not take the burst past it.)"""
+    waiting index once, not 20 times (a run parked behind others finds it there); the gate stays
+    there while its holders' leases are live (a holder that dies is ended at the look after its
+    lease ran out); once the queue empties and its holders release, the sweeper drops the gate,
+    and the next run parked behind new holders enters it again at once (within the same second),
+    so that a dead holder's slot is still handed on. (The freshness window is made long: a loaded
+    machine must not take the burst past it.)"""
     monkeypatch.setattr(constants, "FAIR_INDEXED_FRESH", 60.0)
     with RedisServer() as server:
         store = _store(f"{server.url}/2")
@@ -301,10 +303,18 @@ def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_b
             return zadd(name, mapping, **kw)  # type: ignore[arg-type]
 
         client.zadd = counted  # type: ignore[method-assign]
-        for holder in ("h0", "h1"):
-            assert isinstance(fair.enter(gate, 2, holder, f"tok-{holder}", "{}", "A", 1.0, 10), Admitted)
-            taken = store.acquire(gate, f"run-{holder}", 10, Holder(holder), handoff=f"tok-{holder}", slots=2)
-            assert isinstance(taken, Acquired)
+
+        def admit(*holders: str) -> dict[str, Acquired]:
+            taken: dict[str, Acquired] = {}
+            for holder in holders:
+                assert isinstance(fair.enter(gate, 2, holder, f"tok-{holder}", "{}", "A", 1.0, 10), Admitted)
+                took = store.acquire(gate, f"run-{holder}", 10, Holder(holder), handoff=f"tok-{holder}",
+                                     slots=2)
+                assert isinstance(took, Acquired)
+                taken[holder] = took
+            return taken
+
+        first = admit("h0", "h1")
         for n in range(20):
             parked = fair.enter(gate, 2, f"w{n}", f"tok-w{n}", json.dumps({"id": f"w{n}"}), "A", 1.0, 10)
             assert isinstance(parked, Waiting) and parked.position == n + 1
@@ -314,10 +324,17 @@ def test_a_gate_with_runs_parked_stays_in_the_waiting_index_with_one_write_per_b
         wait_for(lambda: len(fair.timed_out(gate, 2, 0.0)) == 20, timeout=10)
         assert store.handoff.queued(gate) == 0
         assert store.handoff.resume(gate, 10, 2) is None
+        assert client.zscore(index, gate) is not None  # h0 and h1 hold: looked at again
+        for holder, took in first.items():
+            assert store.release(gate, f"run-{holder}", fence=took.fence, slot=took.slot, slots=2,
+                                 task_id=holder)
+        assert store.handoff.resume(gate, 10, 2) is None
         assert client.zscore(index, gate) is None
+        admit("h2", "h3")
+        writes.clear()  # the look that kept the gate wrote it too
         assert isinstance(fair.enter(gate, 2, "late", "tok-late", json.dumps({"id": "late"}), "A", 1.0, 10),
                           Waiting)
-        assert writes == [gate, gate] and client.zscore(index, gate) is not None
+        assert writes == [gate] and client.zscore(index, gate) is not None
 
 
 def test_a_sweeper_that_dies_after_taking_a_run_out_leaves_it_to_the_next(redis_server: RedisServer) -> None:
