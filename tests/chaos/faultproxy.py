@@ -117,6 +117,9 @@ class Rule:
     nth: int | None = None
     first_time_only: bool = False
     times: int | None = None
+    #: a ``stall_reply`` rule stalls only the replies for which this holds (the others pass and
+    #: do not count): "the call that took the key", which the command alone cannot tell
+    if_reply: Callable[[bytes], bool] | None = None
     matched: int = 0
     faulted: int = 0
     event: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -174,13 +177,15 @@ class FaultProxy:
         nth: int | None = None,
         first_time_only: bool = False,
         times: int | None = None,
+        if_reply: Callable[[bytes], bool] | None = None,
     ) -> Rule:
         """Fault the commands named ``name`` (case-insensitive; "SCRIPT LOAD" matches two words)
         running ``script`` (sha1 or Lua source; EVAL, EVALSHA and their _RO forms) for which
         ``where(args)`` holds: only the ``nth`` of them (1-based), or each one the first time its
-        exact argument list is seen, or every one; at most ``times`` commands."""
+        exact argument list is seen, or every one; at most ``times`` commands (a reply stalled only
+        ``if_reply(raw reply)``)."""
         rule = Rule(action, name=name, sha=None if script is None else script_sha(script), where=where,
-                    nth=nth, first_time_only=first_time_only, times=times)
+                    nth=nth, first_time_only=first_time_only, times=times, if_reply=if_reply)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -218,6 +223,11 @@ class FaultProxy:
                     rule.faulted += 1
                     chosen = rule
         return name, sha, chosen
+
+    def _give_back(self, rule: Rule) -> None:
+        """A command the rule took whose reply it does not want after all."""
+        with self._lock:
+            rule.faulted -= 1
 
     def _pushed(self, count: int) -> None:
         with self._lock:
@@ -423,6 +433,10 @@ class _Link:
                         entry.reply = raw
                         if entry.kind == "stall_reply":
                             assert entry.rule is not None
+                            if entry.rule.if_reply is not None and not entry.rule.if_reply(raw):
+                                self.proxy._give_back(entry.rule)
+                                entry.rule = None  # passed on as it is
+                                continue
                             entry.ready_at = now + entry.rule.action.seconds
                             stalled.append(entry)
                     self.cond.notify_all()

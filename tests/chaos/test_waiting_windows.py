@@ -48,6 +48,7 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_singleflight import RunLost, constants
+from celery_singleflight.protocol.lease import AcquireReply
 from celery_singleflight.protocol.started import STARTED
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
@@ -110,6 +111,14 @@ def mentions(task_id: str) -> Callable[[list[bytes]], bool]:
     """A proxy predicate: the command names ``task_id`` in one of its arguments."""
     needle = task_id.encode()
     return lambda args: any(needle in arg for arg in args)
+
+
+def took_the_key(reply: bytes) -> bool:
+    """A proxy predicate on an ACQUIRE's raw reply: the key is the caller's (``'fence:since:slot'``,
+    or TOOK). Asked of the reply, not the command: an attempt sent while the key was held can
+    run on the server just after the holder's release (a retry tries every 60 ms)."""
+    took = b":%d" % AcquireReply.TOOK
+    return reply.startswith(b"$") or (reply.startswith(b"*") and reply.split(b"\r\n")[1] == took)
 
 
 def script_argv(args: list[bytes]) -> list[bytes]:
@@ -269,10 +278,6 @@ class Delayed:
         task = getattr(chaos, DELAYED_TASKS[policy])
         return cls(task, key, task.render_key(key, 1, SHORT), str(uuid.uuid4()))
 
-    def free(self) -> bool:
-        """Nobody holds its lock key."""
-        return not self.task.store.holder_record(self.rendered).token
-
 
 def send_delayed(chaos: ModuleType, policy: str, run: Delayed, victim: WorkerProcess,
                  survivor: WorkerProcess) -> Callable[[], None]:
@@ -303,7 +308,7 @@ def claim_window_cell(policy: str, proxy: FaultProxy, chaos: ModuleType, workers
     run = Delayed.of(chaos, policy, f"claim-{policy.replace(' ', '-')}")
     # the ACQUIRE that takes the key (a retry's attempts find it held until its holder ends)
     rule = proxy.add_rule(stall_reply(STALL), script=SOURCE["ACQUIRE"], times=1,
-                          where=lambda args: mentions(run.task_id)(args) and run.free())
+                          where=mentions(run.task_id), if_reply=took_the_key)
     release = send_delayed(chaos, policy, run, victim, survivor)
     assert run.result is not None
     release()
