@@ -46,11 +46,33 @@ def q(canvas_worker: WorkerProcess) -> str:
     return canvas_worker.queue  # type: ignore[attr-defined,no-any-return]
 
 
+#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
+#: duplicates met it (a fixed 1-3 s was outrun on a loaded machine: a duplicate came after the end)
+HOLD = 60.0
+#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
+#: busy on the shared worker)
+HOLDER_KEYS = ("craise", "cskip", "cretry", "cq", "cjerr", "cjlast", "cjeb", "cjold", "gq", "gs", "gs1",
+               "chj", "chq", "chr", "chs", "chx")
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(sfapp: ModuleType) -> Iterator[None]:
+    yield
+    for key in HOLDER_KEYS:
+        let_go(sfapp, key)
+
+
 def start_holder(sfapp: ModuleType, task: Any, q: str, key: str, *args: Any) -> AsyncResult:
-    """Dispatch ``task(key, *args)`` and return once it runs (the recorder saw it start)."""
+    """Dispatch ``task(key, *args)`` and return once it runs (the recorder saw it start); it holds
+    the key until :func:`let_go` (``args`` give it :data:`HOLD` seconds at most)."""
     holder = task.apply_async((key, *args), queue=q)
     wait_for(lambda: sfapp.recorder.llen(f"runs:{key}") >= 1, timeout=15)
     return holder
+
+
+def let_go(sfapp: ModuleType, key: str) -> None:
+    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
+    sfapp.recorder.set(f"gate:{key}", 1)
 
 
 def seen(sfapp: ModuleType, tag: str) -> list[Any]:
@@ -87,7 +109,7 @@ def test_chain_raise_stops_the_chain_with_lock_held_and_calls_link_error(
     when chain(hold_raise duplicate, canvas_seen) is sent with a link_error,
     then the chain's result raises LockHeld (naming the holder), the next link never runs, is
     marked FAILURE as Celery does for a failed chain, and the errback gets the duplicate's LockHeld."""
-    holder = start_holder(sfapp, sfapp.hold_raise, q, "craise", 1.5)
+    holder = start_holder(sfapp, sfapp.hold_raise, q, "craise", HOLD)
     flow = chain(sfapp.hold_raise.s("craise").set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     flow.on_error(sfapp.canvas_errback.s().set(queue=q))
     result = flow.apply_async()
@@ -97,9 +119,13 @@ def test_chain_raise_stops_the_chain_with_lock_held_and_calls_link_error(
     assert info.value.holder == holder.id
     dup = result.parent
     assert dup.state == "FAILURE"
-    assert AsyncResult(result.id, app=sfapp.app).state == "FAILURE"  # the last link: no stall
+    # the last link: no stall (get() raised the parent's error, which Celery stores before it
+    # fails the links after it)
+    last = AsyncResult(result.id, app=sfapp.app)
+    wait_for(lambda: last.state == "FAILURE", timeout=10)
     errors = wait_for(lambda: sfapp.recorder.lrange("canvas:errors", 0, -1), timeout=10)
     assert [json.loads(e) for e in errors] == [{"id": dup.id, "error": "LockHeld"}]
+    let_go(sfapp, "craise")
     holder.get(timeout=15)
     stays(lambda: seen(sfapp, "after") == [], NEVER_RUNS)
     assert runs(sfapp, "craise") == [holder.id]
@@ -110,7 +136,7 @@ def test_chain_skip_passes_the_skip_result_to_the_next_link(sfapp: ModuleType, q
     when chain(hold_skip duplicate, canvas_seen) is sent,
     then the duplicate ends SUCCESS without running and the next link runs at once with the skip
     dict (is_skipped, the key and the holder's id) as its argument."""
-    holder = start_holder(sfapp, sfapp.hold_skip, q, "cskip", 2.0)
+    holder = start_holder(sfapp, sfapp.hold_skip, q, "cskip", HOLD)
     flow = chain(sfapp.hold_skip.s("cskip").set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     result = flow.apply_async()
 
@@ -121,6 +147,7 @@ def test_chain_skip_passes_the_skip_result_to_the_next_link(sfapp: ModuleType, q
     assert is_skipped(got)
     assert got["key"] == "k:cskip" and got["holder"] == holder.id
     assert result.parent.state == "SUCCESS"
+    let_go(sfapp, "cskip")
     holder.get(timeout=15)
     assert runs(sfapp, "cskip") == [holder.id]
 
@@ -132,11 +159,12 @@ def test_chain_retry_continues_with_the_duplicates_own_result_after_the_holder(
     when chain(hold_retry duplicate, canvas_seen) is sent,
     then the duplicate is re-sent with the same task id and its chain (state RETRY meanwhile),
     runs once the holder is done, and the next link receives the duplicate's own result."""
-    holder = start_holder(sfapp, sfapp.hold_retry, q, "cretry", 1.0)
+    holder = start_holder(sfapp, sfapp.hold_retry, q, "cretry", HOLD)
     flow = chain(sfapp.hold_retry.s("cretry", 0.05).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     result = flow.apply_async()
     dup = result.parent
     wait_for(lambda: dup.state == "RETRY", timeout=10)
+    let_go(sfapp, "cretry")
 
     out = result.get(timeout=30)
     first = holder.get(timeout=5)
@@ -154,13 +182,14 @@ def test_chain_queue_continues_with_the_parked_runs_result_in_order(sfapp: Modul
     each after the previous one was parked (state QUEUED),
     then each duplicate runs later from its parked message, in the order the chains parked, one
     at a time, and each next link receives its own duplicate's result."""
-    holder = start_holder(sfapp, sfapp.queued, q, "cq", 0, 1.5)
+    holder = start_holder(sfapp, sfapp.queued, q, "cq", 0, HOLD)
     results = []
     for n, tag in ((1, "a"), (2, "b")):
         flow = chain(sfapp.queued.s("cq", n).set(queue=q), sfapp.canvas_seen.s(tag).set(queue=q))
         result = flow.apply_async()
         wait_for(lambda r=result: r.parent.state == "QUEUED", timeout=10)
         results.append(result)
+    let_go(sfapp, "cq")
 
     assert [r.get(timeout=30) for r in results] == [{"seen": 1}, {"seen": 2}]
     assert holder.get(timeout=5) == 0
@@ -175,11 +204,12 @@ def test_chain_join_passes_the_holders_error_on_and_stops_the_chain(sfapp: Modul
     when chain(joined duplicate, canvas_seen) is sent and the duplicate joins it,
     then the chain's result raises the holder's error, the duplicate ends FAILURE with it, and the
     next link never runs. (Success: test_join.py::test_a_joined_link_in_a_chain_...)"""
-    holder = start_holder(sfapp, sfapp.joined, q, "cjerr", "first", 1.0, True)
+    holder = start_holder(sfapp, sfapp.joined, q, "cjerr", "first", HOLD, True)
     flow = chain(sfapp.joined.s("cjerr", "dup", 0.01).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     result = flow.apply_async()
     dup = result.parent
     wait_for(lambda: dup.state == "JOINED", timeout=10)
+    let_go(sfapp, "cjerr")
 
     with pytest.raises(ValueError, match="holder failed on cjerr"):
         result.get(timeout=15)
@@ -194,10 +224,12 @@ def test_chain_join_error_marks_the_last_link_failed_like_a_failed_link(sfapp: M
     """Given a holder on j:cjlast that will fail and a chain whose first link joins it,
     then the chain's last link ends FAILURE, as it does when a link fails by itself (see the
     raise test), so ``AsyncResult(last_id).get()`` (no parent to follow) does not wait forever."""
-    start_holder(sfapp, sfapp.joined, q, "cjlast", "first", 0.5, True)
+    start_holder(sfapp, sfapp.joined, q, "cjlast", "first", HOLD, True)
     flow = chain(sfapp.joined.s("cjlast", "dup", 0.01).set(queue=q),
                  sfapp.canvas_seen.s("after").set(queue=q))
     result = flow.apply_async()
+    wait_for(lambda: result.parent.state == "JOINED", timeout=10)
+    let_go(sfapp, "cjlast")
     with pytest.raises(ValueError):
         result.parent.get(timeout=15)
     last = AsyncResult(result.id, app=sfapp.app)
@@ -208,10 +240,12 @@ def test_chain_join_error_calls_a_new_style_errback(sfapp: ModuleType, q: str) -
     """Given a holder on j:cjeb that will fail and chain(joined duplicate, canvas_seen) with a
     new-style errback (request, exc, traceback), as in the raise test,
     then the errback runs for the duplicate with the holder's error."""
-    start_holder(sfapp, sfapp.joined, q, "cjeb", "first", 0.5, True)
+    start_holder(sfapp, sfapp.joined, q, "cjeb", "first", HOLD, True)
     flow = chain(sfapp.joined.s("cjeb", "dup", 0.01).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     flow.on_error(sfapp.canvas_errback.s().set(queue=q))
     result = flow.apply_async()
+    wait_for(lambda: result.parent.state == "JOINED", timeout=10)
+    let_go(sfapp, "cjeb")
     with pytest.raises(ValueError):
         result.get(timeout=15)
     errors = wait_for(lambda: sfapp.recorder.lrange("canvas:errors", 0, -1), timeout=3)
@@ -223,10 +257,12 @@ def test_chain_join_error_calls_an_old_style_errback(sfapp: ModuleType, q: str) 
     """Given a holder on j:cjold that will fail and chain(joined duplicate, canvas_seen) with an
     old-style errback (one argument: the task id),
     then the errback is called with the duplicate's task id."""
-    start_holder(sfapp, sfapp.joined, q, "cjold", "first", 0.5, True)
+    start_holder(sfapp, sfapp.joined, q, "cjold", "first", HOLD, True)
     flow = chain(sfapp.joined.s("cjold", "dup", 0.01).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     flow.on_error(sfapp.canvas_errback_old.s().set(queue=q))
     result = flow.apply_async()
+    wait_for(lambda: result.parent.state == "JOINED", timeout=10)
+    let_go(sfapp, "cjold")
     with pytest.raises(ValueError):
         result.get(timeout=15)
     errors = wait_for(lambda: sfapp.recorder.lrange("canvas:errors_old", 0, -1), timeout=10)
@@ -243,10 +279,11 @@ def test_group_queue_runs_every_member_one_at_a_time_results_in_member_order(
     when a group of 5 queued members on that key is sent,
     then they are parked, then all 5 run one at a time after the holder (no overlap), and the
     group's result is the 5 results in member order."""
-    holder = start_holder(sfapp, sfapp.queued, q, "gq", 0, 1.5)
+    holder = start_holder(sfapp, sfapp.queued, q, "gq", 0, HOLD)
     members = group(sfapp.queued.s("gq", n).set(queue=q) for n in range(1, 6))
     result = members.apply_async()
     wait_for(lambda: all(r.state == "QUEUED" for r in result.results), timeout=10)
+    let_go(sfapp, "gq")
 
     assert result.get(timeout=30) == [1, 2, 3, 4, 5]
     assert holder.get(timeout=5) == 0
@@ -260,21 +297,24 @@ def test_group_skip_members_return_at_once_while_an_outside_holder_runs(sfapp: M
     when a group of 5 hold_skip members on that key is sent,
     then GroupResult.get() returns at once (before the holder ends) with 5 skip results naming
     the holder, and no member ran."""
-    holder = start_holder(sfapp, sfapp.hold_skip, q, "gs", 3.0)
+    holder = start_holder(sfapp, sfapp.hold_skip, q, "gs", HOLD)
     result = group(sfapp.hold_skip.s("gs").set(queue=q) for _ in range(5)).apply_async()
 
     out = result.get(timeout=10)
     assert not holder.ready()
     assert len(out) == 5 and all(is_skipped(r) and r["holder"] == holder.id for r in out)
+    let_go(sfapp, "gs")
     holder.get(timeout=15)
     assert runs(sfapp, "gs") == [holder.id]
 
 
 def test_group_skip_exactly_one_member_runs(sfapp: ModuleType, q: str) -> None:
     """Given no holder on k:gs1,
-    when a group of 5 hold_skip members (1.5 s each) on that key is sent,
-    then exactly one member runs and the other 4 are skip results naming that member."""
-    result = group(sfapp.hold_skip.s("gs1", 1.5).set(queue=q) for _ in range(5)).apply_async()
+    when a group of 5 hold_skip members (each holding until the test lets it go) on that key is
+    sent, then exactly one member runs and the other 4 are skip results naming that member."""
+    result = group(sfapp.hold_skip.s("gs1", HOLD).set(queue=q) for _ in range(5)).apply_async()
+    wait_for(lambda: sum(r.ready() for r in result.results) == 4, timeout=15)  # the 4 skipped
+    let_go(sfapp, "gs1")
 
     out = result.get(timeout=15)
     ran = [(r, res) for r, res in zip(result.results, out, strict=True) if not is_skipped(res)]
@@ -294,10 +334,11 @@ def test_chord_of_joined_duplicates_gets_the_holders_result_four_times(sfapp: Mo
     when chord([4 joined duplicates on that key], canvas_collect) is sent,
     then the 4 members join the holder (state JOINED) and the body runs once, after the holder,
     with 4 copies of the holder's result; only the holder ran."""
-    holder = start_holder(sfapp, sfapp.joined, q, "chj", "first", 1.5)
+    holder = start_holder(sfapp, sfapp.joined, q, "chj", "first", HOLD)
     header = [sfapp.joined.s("chj", f"d{i}", 0.01).set(queue=q) for i in range(4)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
     wait_for(lambda: all(r.state == "JOINED" for r in result.parent.results), timeout=10)
+    let_go(sfapp, "chj")
 
     expected = {"value": "first", "ran": holder.id}
     assert result.get(timeout=20) == [expected] * 4
@@ -310,9 +351,11 @@ def test_chord_of_queued_members_runs_the_body_after_all_ran(sfapp: ModuleType, 
     when chord([4 queued members on that key], canvas_collect) is sent,
     then the members run one at a time after the holder and the body runs once, after the last
     of them, with their 4 results in member order."""
-    holder = start_holder(sfapp, sfapp.queued, q, "chq", 0, 1.0)
+    holder = start_holder(sfapp, sfapp.queued, q, "chq", 0, HOLD)
     header = [sfapp.queued.s("chq", n).set(queue=q) for n in range(1, 5)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
+    wait_for(lambda: all(r.state == "QUEUED" for r in result.parent.results), timeout=10)
+    let_go(sfapp, "chq")
 
     assert result.get(timeout=30) == [1, 2, 3, 4]
     assert holder.get(timeout=5) == 0
@@ -327,9 +370,11 @@ def test_chord_of_retried_members_gets_their_own_results(sfapp: ModuleType, q: s
     when chord([3 hold_retry members on that key], canvas_collect) is sent,
     then the members retry until the key is free, run one at a time, and the body runs once with
     their own 3 results in member order."""
-    holder = start_holder(sfapp, sfapp.hold_retry, q, "chr", 1.0)
+    holder = start_holder(sfapp, sfapp.hold_retry, q, "chr", HOLD)
     header = [sfapp.hold_retry.s("chr", 0.05).set(queue=q) for _ in range(3)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
+    wait_for(lambda: all(r.state == "RETRY" for r in result.parent.results), timeout=10)
+    let_go(sfapp, "chr")
 
     out = result.get(timeout=40)
     first = holder.get(timeout=5)
@@ -345,7 +390,7 @@ def test_chord_of_skipped_members_gets_the_skip_results(sfapp: ModuleType, q: st
     """Given a running holder on k:chs,
     when chord([3 hold_skip members on that key], canvas_collect) is sent,
     then the body runs at once (before the holder ends) with 3 skip results."""
-    holder = start_holder(sfapp, sfapp.hold_skip, q, "chs", 3.0)
+    holder = start_holder(sfapp, sfapp.hold_skip, q, "chs", HOLD)
     header = [sfapp.hold_skip.s("chs").set(queue=q) for _ in range(3)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
 
@@ -353,6 +398,7 @@ def test_chord_of_skipped_members_gets_the_skip_results(sfapp: ModuleType, q: st
     assert not holder.ready()
     assert len(out) == 3 and all(is_skipped(r) and r["holder"] == holder.id for r in out)
     assert collected(sfapp, "body") == [out]
+    let_go(sfapp, "chs")
     holder.get(timeout=15)
 
 
@@ -361,7 +407,7 @@ def test_chord_with_a_raised_member_fails_without_running_the_body(sfapp: Module
     when chord([3 hold_raise members on that key], canvas_collect) is sent,
     then every member fails with LockHeld, the body never runs: the chord's result raises
     LockHeld and the body's own result ends FAILURE with a ChordError naming LockHeld."""
-    holder = start_holder(sfapp, sfapp.hold_raise, q, "chx", 1.5)
+    holder = start_holder(sfapp, sfapp.hold_raise, q, "chx", HOLD)
     header = [sfapp.hold_raise.s("chx").set(queue=q) for _ in range(3)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
 
@@ -373,6 +419,7 @@ def test_chord_with_a_raised_member_fails_without_running_the_body(sfapp: Module
     body = AsyncResult(result.id, app=sfapp.app)
     wait_for(lambda: body.state == "FAILURE", timeout=10)
     assert isinstance(body.result, ChordError) and "LockHeld" in str(body.result)
+    let_go(sfapp, "chx")
     holder.get(timeout=15)
     stays(lambda: collected(sfapp, "body") == [], NEVER_RUNS)
     assert runs(sfapp, "chx") == [holder.id]
