@@ -70,6 +70,14 @@ def start_holder(sfapp: ModuleType, task: Any, q: str, key: str, *args: Any) -> 
     return holder
 
 
+def met(task: Any, count: int, *args: Any) -> bool:
+    """Whether ``count`` duplicates met the running holder of ``task(*args)``'s key: counted on its
+    status once parked or joined (QUEUED and JOINED are stored just before: a holder let go
+    between the two would make a duplicate run itself)."""
+    st = task.status(*args)
+    return st is not None and st.held and st.duplicates >= count
+
+
 def let_go(sfapp: ModuleType, key: str) -> None:
     """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
     sfapp.recorder.set(f"gate:{key}", 1)
@@ -187,7 +195,8 @@ def test_chain_queue_continues_with_the_parked_runs_result_in_order(sfapp: Modul
     for n, tag in ((1, "a"), (2, "b")):
         flow = chain(sfapp.queued.s("cq", n).set(queue=q), sfapp.canvas_seen.s(tag).set(queue=q))
         result = flow.apply_async()
-        wait_for(lambda r=result: r.parent.state == "QUEUED", timeout=10)
+        wait_for(lambda r=result, n=n: r.parent.state == "QUEUED" and met(sfapp.queued, n, "cq", 0),
+                 timeout=10)  # parked (counted), not only marked QUEUED: the next one parks behind it
         results.append(result)
     let_go(sfapp, "cq")
 
@@ -208,7 +217,7 @@ def test_chain_join_passes_the_holders_error_on_and_stops_the_chain(sfapp: Modul
     flow = chain(sfapp.joined.s("cjerr", "dup", 0.01).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     result = flow.apply_async()
     dup = result.parent
-    wait_for(lambda: dup.state == "JOINED", timeout=10)
+    wait_for(lambda: dup.state == "JOINED" and met(sfapp.joined, 1, "cjerr", "first"), timeout=10)
     let_go(sfapp, "cjerr")
 
     with pytest.raises(ValueError, match="holder failed on cjerr"):
@@ -228,7 +237,7 @@ def test_chain_join_error_marks_the_last_link_failed_like_a_failed_link(sfapp: M
     flow = chain(sfapp.joined.s("cjlast", "dup", 0.01).set(queue=q),
                  sfapp.canvas_seen.s("after").set(queue=q))
     result = flow.apply_async()
-    wait_for(lambda: result.parent.state == "JOINED", timeout=10)
+    wait_for(lambda: result.parent.state == "JOINED" and met(sfapp.joined, 1, "cjlast", "first"), timeout=10)
     let_go(sfapp, "cjlast")
     with pytest.raises(ValueError):
         result.parent.get(timeout=15)
@@ -244,7 +253,7 @@ def test_chain_join_error_calls_a_new_style_errback(sfapp: ModuleType, q: str) -
     flow = chain(sfapp.joined.s("cjeb", "dup", 0.01).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     flow.on_error(sfapp.canvas_errback.s().set(queue=q))
     result = flow.apply_async()
-    wait_for(lambda: result.parent.state == "JOINED", timeout=10)
+    wait_for(lambda: result.parent.state == "JOINED" and met(sfapp.joined, 1, "cjeb", "first"), timeout=10)
     let_go(sfapp, "cjeb")
     with pytest.raises(ValueError):
         result.get(timeout=15)
@@ -261,7 +270,7 @@ def test_chain_join_error_calls_an_old_style_errback(sfapp: ModuleType, q: str) 
     flow = chain(sfapp.joined.s("cjold", "dup", 0.01).set(queue=q), sfapp.canvas_seen.s("after").set(queue=q))
     flow.on_error(sfapp.canvas_errback_old.s().set(queue=q))
     result = flow.apply_async()
-    wait_for(lambda: result.parent.state == "JOINED", timeout=10)
+    wait_for(lambda: result.parent.state == "JOINED" and met(sfapp.joined, 1, "cjold", "first"), timeout=10)
     let_go(sfapp, "cjold")
     with pytest.raises(ValueError):
         result.get(timeout=15)
@@ -283,6 +292,7 @@ def test_group_queue_runs_every_member_one_at_a_time_results_in_member_order(
     members = group(sfapp.queued.s("gq", n).set(queue=q) for n in range(1, 6))
     result = members.apply_async()
     wait_for(lambda: all(r.state == "QUEUED" for r in result.results), timeout=10)
+    wait_for(lambda: met(sfapp.queued, 5, "gq", 0), timeout=10)
     let_go(sfapp, "gq")
 
     assert result.get(timeout=30) == [1, 2, 3, 4, 5]
@@ -338,6 +348,7 @@ def test_chord_of_joined_duplicates_gets_the_holders_result_four_times(sfapp: Mo
     header = [sfapp.joined.s("chj", f"d{i}", 0.01).set(queue=q) for i in range(4)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
     wait_for(lambda: all(r.state == "JOINED" for r in result.parent.results), timeout=10)
+    wait_for(lambda: met(sfapp.joined, 4, "chj", "first"), timeout=10)
     let_go(sfapp, "chj")
 
     expected = {"value": "first", "ran": holder.id}
@@ -355,6 +366,7 @@ def test_chord_of_queued_members_runs_the_body_after_all_ran(sfapp: ModuleType, 
     header = [sfapp.queued.s("chq", n).set(queue=q) for n in range(1, 5)]
     result = chord(header, sfapp.canvas_collect.s("body").set(queue=q)).apply_async()
     wait_for(lambda: all(r.state == "QUEUED" for r in result.parent.results), timeout=10)
+    wait_for(lambda: met(sfapp.queued, 4, "chq", 0), timeout=10)
     let_go(sfapp, "chq")
 
     assert result.get(timeout=30) == [1, 2, 3, 4]
