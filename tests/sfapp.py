@@ -162,11 +162,16 @@ def plain(x, y=1):
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", progress_rate=20)
-def reporting(self, name, steps=5, pause=0.2):
-    """Reports progress step by step; watched by the tests."""
+def reporting(self, name, steps=5, pause=0.2, first=None):
+    """Reports progress step by step; watched by the tests. ``first``: how long step 0 holds at
+    most instead, until the gate ``gate:<name>:first`` opens (a test reads the run before it goes
+    on); the steps after keep their pace (``gate:<name>`` would end them at once)."""
     for i in range(steps):
         self.progress("loading", current=i, total=steps, message=f"step {i}", name=name)
-        hold(recorder, pause, f"gate:{name}")
+        if i == 0 and first is not None:
+            hold(recorder, first, f"gate:{name}:first")
+        else:
+            hold(recorder, pause, f"gate:{name}")
     self.progress("finishing", current=steps, total=steps)
     return steps
 
@@ -591,5 +596,5 @@ def fair_timed(self, tenant, n, seconds=0.5):
 @app.task(bind=True, base=SingleFlightTask, lock_key="mft:<key>:<n>", fair_key="<key>", fair_concurrency=1,
           queue_timeout=0.5, shared=False)
 def fair_metered(self, key, n, seconds=0.05):
-    time.sleep(seconds)
+    hold(recorder, seconds, f"gate:{key}")  # a holder the test must outlast holds until it opens the gate
     return n

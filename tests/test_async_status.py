@@ -39,6 +39,14 @@ from .test_tls_acl import tls, tls_redis  # noqa: F401 - the TLS fixtures
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 EVENTS_APP = ROOT / "example_project" / "events_asgi.py"
 CLIENTS = 50
+#: how long a run's first step may hold at most: it holds until its test lets it go (:func:`let_go`),
+#: once the test read it and its watchers follow (a fixed 2-4 s run was outrun on a loaded machine)
+HOLD = 60.0
+
+
+def let_go(sfapp: ModuleType, name: str) -> None:
+    """The ``sfapp.reporting`` run on ``name`` held at its first step goes on, at its own pace."""
+    sfapp.recorder.set(f"gate:{name}:first", 1)
 
 
 def comparable(st: KeyStatus | None) -> dict[str, Any] | None:
@@ -91,28 +99,38 @@ def test_astatus_and_awatch_answer_as_status_and_watch(sfapp: ModuleType, start_
     assert asyncio.run(collect(sf.awatch(app, key, timeout=0.5))) == []
     assert list(task.watch(name)) == [] == asyncio.run(collect(task.awatch(name)))
 
-    # Given a run that holds the key and reports progress every 0.3 s
-    result = task.apply_async((name, 8, 0.3), queue=worker.queue)
-    wait_for(lambda: (st := task.status(name)) is not None and st.held and st.current is not None, timeout=15)
-
-    # Then a read at the same moment is the same status (read again if a report fell in between)
-    def same_status() -> bool:
-        blocking, asynchronous = sf.status(app, key), asyncio.run(sf.astatus(app, key))
-        by_args, by_args_async = task.status(name), asyncio.run(task.astatus(name))
-        return (blocking is not None and blocking.held and comparable(blocking) == comparable(asynchronous)
-                and comparable(by_args) == comparable(by_args_async) == comparable(blocking))
-
-    wait_for(same_status, timeout=10, interval=0.01)
-    held = asyncio.run(sf.astatus(app, key))
-    assert held is not None and held.held and held.task_id == result.id and held.state == "loading"
-    assert held.ttl_left is not None and 0 < held.ttl_left <= 30
-
-    # When a blocking and an asyncio watcher follow the run at once (by key and by arguments)
+    # Given a run that holds the key and reports progress: its first step until the test has read
+    # it and its watchers follow (HOLD s at most), then every 0.3 s
+    result = task.apply_async((name, 8, 0.3), {"first": HOLD}, queue=worker.queue)
     with ThreadPoolExecutor(max_workers=4) as pool:
-        blocking = pool.submit(lambda: list(sf.watch(app, key, timeout=30)))
-        blocking_by_args = pool.submit(lambda: list(task.watch(name)))
-        asynchronous = pool.submit(lambda: asyncio.run(collect(sf.awatch(app, key, timeout=30))))
-        by_args = pool.submit(lambda: asyncio.run(collect(task.awatch(name))))
+        try:
+            wait_for(lambda: (st := task.status(name)) is not None and st.held and st.current is not None,
+                     timeout=15)
+
+            # Then a read at the same moment is the same status (read again if a report fell in between)
+            def same_status() -> bool:
+                blocking, asynchronous = sf.status(app, key), asyncio.run(sf.astatus(app, key))
+                by_args, by_args_async = task.status(name), asyncio.run(task.astatus(name))
+                return (blocking is not None and blocking.held
+                        and comparable(blocking) == comparable(asynchronous)
+                        and comparable(by_args) == comparable(by_args_async) == comparable(blocking))
+
+            wait_for(same_status, timeout=10, interval=0.01)
+            held = asyncio.run(sf.astatus(app, key))
+            assert held is not None and held.held and held.task_id == result.id and held.state == "loading"
+            assert held.ttl_left is not None and 0 < held.ttl_left <= 30
+
+            # When a blocking and an asyncio watcher follow the run at once (by key and by arguments)
+            following = [threading.Event() for _ in range(4)]
+            blocking = pool.submit(follow, sf.watch(app, key, timeout=30), following[0])
+            blocking_by_args = pool.submit(follow, task.watch(name), following[1])
+            asynchronous = pool.submit(
+                lambda: asyncio.run(collect(sf.awatch(app, key, timeout=30), following[2])))
+            by_args = pool.submit(lambda: asyncio.run(collect(task.awatch(name), following[3])))
+            # every watcher read the run's history (its first report) before the next report comes
+            wait_for(lambda: all(seen.is_set() for seen in following), timeout=20)
+        finally:
+            let_go(sfapp, name)
         events = asynchronous.result(timeout=30)
         # Then every watcher saw the same events: the history, each report, then the end
         assert events == blocking.result(timeout=30) == blocking_by_args.result(timeout=30) \
@@ -299,15 +317,13 @@ def test_fifty_sse_clients_of_one_key_from_one_asgi_server(
     # a free key: the stream ends at once, empty (and the server's loop has its Redis client now)
     assert asyncio.run(sse(sse_server, "/events?key=free:key")) == ("text/event-stream", [])
 
-    # Given a run of 12 steps, 0.3 s each, holding the key
-    result = task.apply_async((name, 12, 0.3), queue=worker.queue)
+    # Given a run of 12 steps holding the key: its first until the 50 clients stream (HOLD s at
+    # most), the others 0.3 s each
+    result = task.apply_async((name, 12, 0.3), {"first": HOLD}, queue=worker.queue)
 
     async def held() -> None:
         while (st := await sf.astatus(app, key)) is None or not st.held:
             await asyncio.sleep(0.02)
-
-    asyncio.run(asyncio.wait_for(held(), timeout=20))
-    baseline = threading.active_count()
 
     async def clients() -> tuple[list[tuple[str, list[dict[str, Any]]]], int, bool]:
         streaming = 0
@@ -324,10 +340,16 @@ def test_fifty_sse_clients_of_one_key_from_one_asgi_server(
         await asyncio.wait_for(all_streaming.wait(), timeout=20)
         threads = threading.active_count()  # every client connected and streaming
         during = await sf.astatus(app, key)
+        let_go(sfapp, name)  # the run goes on: a report every 0.3 s, then its end
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
         return results, threads, during is not None and during.held
 
-    results, threads, still_running = asyncio.run(asyncio.wait_for(clients(), timeout=90))
+    try:
+        asyncio.run(asyncio.wait_for(held(), timeout=20))
+        baseline = threading.active_count()
+        results, threads, still_running = asyncio.run(asyncio.wait_for(clients(), timeout=90))
+    finally:
+        let_go(sfapp, name)
 
     # Then all 50 were streaming while the run went on, on no more threads than before (a stray
     # helper thread aside: a thread per client would add 50, a thread pool at least 5)
