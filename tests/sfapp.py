@@ -162,13 +162,14 @@ def plain(x, y=1):
 
 
 @app.task(bind=True, base=SingleFlightTask, lock_key="job:<name>", progress_rate=20)
-def reporting(self, name, steps=5, pause=0.2, first=None):
-    """Reports progress step by step; watched by the tests. ``first``: how long step 0 holds at
-    most instead, until the gate ``gate:<name>:first`` opens (a test reads the run before it goes
-    on); the steps after keep their pace (``gate:<name>`` would end them at once)."""
+def reporting(self, name, steps=5, pause=0.2, first=None, at=0):
+    """Reports progress step by step; watched by the tests. ``first``: how long step ``at`` (step 0
+    unless given) holds at most instead, until the gate ``gate:<name>:first`` opens (a test reads
+    the run before it goes on); the other steps keep their pace (``gate:<name>`` would end them at
+    once)."""
     for i in range(steps):
         self.progress("loading", current=i, total=steps, message=f"step {i}", name=name)
-        if i == 0 and first is not None:
+        if i == at and first is not None:
             hold(recorder, first, f"gate:{name}:first")
         else:
             hold(recorder, pause, f"gate:{name}")
@@ -382,9 +383,11 @@ def canvas_errback_old(task_id):
 @app.task(bind=True, base=SingleFlightTask, lock_key="mx:<key>", on_duplicate="queue", dedup_enqueue=True,
           max_retries=1)
 def mx_holder(self, key, mode="succeed", seconds=1.5):
+    """Works ``seconds``, or less once the test opens its gate: ``gate:<key>``, and a retry's
+    attempt ``gate:<key>:retry`` (the first attempt's open gate does not end it)."""
     recorder.set(f"pid:{key}", os.getpid())
     recorder.rpush(f"runs:{key}", f"holder:{self.request.id}")
-    time.sleep(seconds)
+    hold(recorder, seconds, f"gate:{key}:retry" if self.request.retries else f"gate:{key}")
     if mode == "retry" and self.request.retries == 0:
         raise self.retry(countdown=2.0)
     if mode == "fail":
@@ -438,9 +441,10 @@ def coalesced_first(self, key, payload, seconds=0.05):
 @app.task(bind=True, base=SingleFlightTask, lock_key="sup:<key>", on_duplicate="supersede", lock_ttl=3,
           supersede_grace=2.0)
 def superseding(self, key, n, seconds=0.05, checks=True):
-    """Supersede policy: runs ``seconds``, checking its lease every 50 ms if ``checks``; records
-    when it started, when it first saw ``self.lease.superseded``, and whether it completed. Its
-    last act is a fenced write of ``n`` (refused once a newer holder wrote)."""
+    """Supersede policy: runs ``seconds`` (less once the test opens the gate ``gate:<key>``),
+    checking its lease every 50 ms if ``checks``; records when it started, when it first saw
+    ``self.lease.superseded``, and whether it completed. Its last act is a fenced write of ``n``
+    (refused once a newer holder wrote)."""
     from celery_singleflight import fencing
 
     recorder.rpush(f"started:{key}", n)
@@ -448,7 +452,7 @@ def superseding(self, key, n, seconds=0.05, checks=True):
     recorder.set(f"fence:{key}:{n}", self.lease.fence)
     deadline = time.time() + seconds
     seen = False
-    while time.time() < deadline:
+    while time.time() < deadline and not recorder.exists(f"gate:{key}"):
         if self.lease.superseded and not seen:
             seen = True
             recorder.set(f"seen:{key}:{n}", time.time())
@@ -530,7 +534,7 @@ def ordered_gap(self, key, n, seconds=0.002):
 def _pm_run(key, n, seconds):
     recorder.set(f"pid:{key}", os.getpid())
     recorder.rpush(f"pm:{key}", n)
-    time.sleep(seconds)
+    hold(recorder, seconds, f"gate:{key}")  # a holder the test must outlast holds until it opens the gate
     return n
 
 

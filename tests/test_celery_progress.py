@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -16,11 +17,32 @@ from .conftest import wait_for
 
 pytestmark = pytest.mark.worker
 
+#: how long a run's held step may hold at most: it holds until its test lets it go (:func:`let_go`),
+#: once the test read it while it runs (a fixed 1.2-1.5 s run was outrun on a loaded machine)
+HOLD = 60.0
+#: the runs' names: every gate is opened after each test (a failed test must not leave a run busy on
+#: the shared worker)
+HOLDER_NAMES = ("cp", "cpg0", "cpg1")
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "sfapp" in request.fixturenames:
+        sfapp = request.getfixturevalue("sfapp")
+        for name in HOLDER_NAMES:
+            let_go(sfapp, name)
+
+
+def let_go(sfapp: ModuleType, name: str) -> None:
+    """The ``sfapp.reporting`` run on ``name`` held at its step (``first``) goes on, at its own pace."""
+    sfapp.recorder.set(f"gate:{name}:first", 1)
+
 
 def test_progress_get_info_on_a_running_task(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     """Given a task reporting 5 steps, celery-progress's Progress(result).get_info() returns our
     numbers while it runs, and its own completed shape once it succeeded."""
-    result = sfapp.reporting.delay("cp", 5, 0.3)
+    result = sfapp.reporting.delay("cp", 5, 0.3, first=HOLD, at=2)  # step 2 holds until the test read it
 
     def reached_step_two() -> dict | None:
         info = Progress(result).get_info()
@@ -39,6 +61,7 @@ def test_progress_get_info_on_a_running_task(sfapp: ModuleType, shared_worker: W
     meta = states.meta_of(info["state"], progress)
     assert meta is not None and meta.progress_state == "loading" and meta.total == 5
 
+    let_go(sfapp, "cp")
     assert result.get(timeout=15) == 5
     done = Progress(result).get_info()
     assert done["complete"] is True and done["success"] is True and done["result"] == 5
@@ -46,7 +69,8 @@ def test_progress_get_info_on_a_running_task(sfapp: ModuleType, shared_worker: W
 
 def test_group_progress_sums_our_numbers(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     """GroupProgress adds up current and total of each child: they are always numbers."""
-    result = group(sfapp.reporting.s(f"cpg{i}", 4, 0.3) for i in range(2)).apply_async()
+    # each child's first step holds until the test read their sum
+    result = group(sfapp.reporting.s(f"cpg{i}", 4, 0.3, first=HOLD) for i in range(2)).apply_async()
 
     def both_reporting() -> dict | None:
         if not all(child.state == "PROGRESS" for child in result.children):
@@ -56,6 +80,8 @@ def test_group_progress_sums_our_numbers(sfapp: ModuleType, shared_worker: Worke
     info = wait_for(both_reporting, timeout=15)
     assert info["progress"]["total"] == 8 and 0 <= info["progress"]["current"] <= 8
     assert info["complete"] is False
+    let_go(sfapp, "cpg0")
+    let_go(sfapp, "cpg1")
     assert result.get(timeout=15) == [4, 4]
     assert GroupProgress(result).get_info()["progress"]["percent"] == 100
 

@@ -22,6 +22,27 @@ from .conftest import stays, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
+#: how long a task run may hold at most: it holds until its test lets it go (:func:`let_go`), once
+#: the test saw what it needs while the run holds (a fixed 1-3 s was outrun on a loaded machine)
+HOLD = 60.0
+#: the task runs' keys: every gate is opened after each test (a failed test must not leave a run
+#: busy on the shared worker)
+HOLDER_KEYS = ("busy", "hc", "hc-busy")
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "sfapp" in request.fixturenames:
+        sfapp = request.getfixturevalue("sfapp")
+        for key in HOLDER_KEYS:
+            let_go(sfapp, key)
+
+
+def let_go(sfapp: ModuleType, key: str) -> None:
+    """The runs on ``key`` held at their gate go on (``sfapp.sleeper``, ``sfapp.record_limited``)."""
+    sfapp.recorder.set(f"gate:{key}", 1)
+
 
 @pytest.fixture
 def released() -> Iterator[list[dict[str, Any]]]:
@@ -58,9 +79,9 @@ def test_hold_excludes_tasks_on_the_same_key(sfapp: ModuleType, shared_worker: W
 
 
 def test_hold_waits_for_a_running_task(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
-    """Given a task holding the key for 3 s, when a hold asks with wait=0, then LockHeld names
-    the task at once; with wait=10 the hold gets the key after the task ends."""
-    running = sfapp.sleeper.delay("busy", 3)
+    """Given a task holding the key (until the test lets it go), when a hold asks with wait=0,
+    then LockHeld names the task at once; with wait=10 the hold gets the key after the task ends."""
+    running = sfapp.sleeper.delay("busy", HOLD)
     key = sfapp.sleeper.render_key("busy")
     wait_for(lambda: sfapp.recorder.get("pid:busy"), timeout=15)
     started = time.monotonic()
@@ -69,6 +90,8 @@ def test_hold_waits_for_a_running_task(sfapp: ModuleType, shared_worker: WorkerP
     assert time.monotonic() - started < 1.0
     assert info.value.holder == running.id and info.value.key == key
     assert info.value.ttl_left is not None and 0 < info.value.ttl_left <= 30
+    assert not running.ready()
+    let_go(sfapp, "busy")  # the task ends (it looks at its gate every 20 ms) and releases the key
     with hold(sfapp.app, key, wait=10) as lease:
         # the task's body is over (it released the key); Celery stores its result just after
         assert sfapp.recorder.get("pid:busy") and running.get(timeout=5) == "slept"
@@ -274,18 +297,20 @@ def test_a_hold_is_one_run_of_a_max_concurrency_key(sfapp: ModuleType, shared_wo
     key = sfapp.limited.render_key("hc")
     with hold(sfapp.app, key) as lease:
         assert lease.lease.slot == 0
-        results = [sfapp.limited.delay("hc", 1.0) for _ in range(3)]
+        results = [sfapp.limited.delay("hc", HOLD) for _ in range(3)]  # until the test let them go
         wait_for(lambda: sfapp.recorder.llen("runs:hc") == 2, timeout=15)
         wait_for(lambda: any(r.state == "QUEUED" for r in results), timeout=15)  # the third, parked
         assert sfapp.recorder.llen("runs:hc") == 2  # the third waits: the hold is the third run
         assert sorted(st.slot for st in sf.status_all(sfapp.app, key)) == [0, 1, 2]
+        let_go(sfapp, "hc")
     assert sorted(r.get(timeout=20) for r in results) in ([0, 1, 2], [1, 1, 2], [1, 2, 2])
 
     busy = sfapp.limited.render_key("hc-busy")
-    running = [sfapp.limited.delay("hc-busy", 2.0) for _ in range(3)]
+    running = [sfapp.limited.delay("hc-busy", HOLD) for _ in range(3)]  # until the test let them go
     wait_for(lambda: sfapp.recorder.llen("runs:hc-busy") == 3, timeout=15)
     with pytest.raises(LockHeld), hold(sfapp.app, busy, slots=3, wait=0):
         pytest.fail("every slot is held")
+    let_go(sfapp, "hc-busy")
     with hold(sfapp.app, busy, slots=3, wait=15) as lease:
         assert lease.lease.slot in (0, 1, 2)
         assert int(sfapp.recorder.get("active:hc-busy") or 0) <= 2  # it got a slot once a run ended

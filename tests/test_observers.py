@@ -22,6 +22,27 @@ from .conftest import IN_CI, TESTS, wait_for, worker_env
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
+#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once its
+#: duplicates met it (a fixed 1.5 s was outrun on a loaded machine: a duplicate came after the end)
+HOLD = 60.0
+#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
+#: busy on a worker a later test may get)
+HOLDER_KEYS = ("flower", "amqp")
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "sfapp" in request.fixturenames:
+        sfapp = request.getfixturevalue("sfapp")
+        for key in HOLDER_KEYS:
+            let_go(sfapp, key)
+
+
+def let_go(sfapp: ModuleType, key: str) -> None:
+    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
+    sfapp.recorder.set(f"gate:{key}", 1)
+
 
 @pytest.fixture
 def flower(redis_server: RedisServer) -> Iterator[str]:
@@ -62,16 +83,19 @@ def test_flower_shows_every_duplicate_as_finished(
     """Given a worker sending events and a real Flower, each duplicate outcome reaches a
     finished state in Flower: raise -> FAILURE, skip -> SUCCESS, retry -> SUCCESS after it ran."""
     q = start_worker(concurrency=3, extra=("-E",)).queue  # type: ignore[operator]
-    holder = sfapp.hold_raise.apply_async(("flower", 1.5), queue=q)
+    holder = sfapp.hold_raise.apply_async(("flower", HOLD), queue=q)  # until the duplicates met it
     wait_for(lambda: sfapp.recorder.llen("runs:flower") >= 1, timeout=15)
     raised = sfapp.hold_raise.apply_async(("flower",), queue=q)
     skipped = sfapp.hold_skip.apply_async(("flower",), queue=q)
     retried = sfapp.hold_retry.apply_async(("flower", 0.01), queue=q)
     expected = {holder.id: "SUCCESS", raised.id: "FAILURE", skipped.id: "SUCCESS", retried.id: "SUCCESS"}
-    for result in (holder, skipped, retried):
-        result.get(timeout=30)
     with pytest.raises(LockHeld):
         raised.get(timeout=30)
+    skipped.get(timeout=30)
+    wait_for(lambda: retried.state == "RETRY", timeout=15)  # it met the holder: it runs once it ended
+    let_go(sfapp, "flower")
+    for result in (holder, retried):
+        result.get(timeout=30)
     for task_id, state in expected.items():
         wait_for(lambda tid=task_id, st=state: flower_state(flower, tid) == st, timeout=15, interval=0.2)
 
@@ -101,13 +125,15 @@ def test_rabbitmq_broker_same_outcomes(
     client = Celery("client", broker=broker, backend=f"{redis_server.url}/1", set_as_current=False)
     try:
         wait_for(lambda: client.control.ping(destination=[worker.hostname], timeout=0.5), timeout=60)
-        holder = client.send_task("sfapp.hold_raise", ("amqp", 1.5), queue=vhost_queue)
+        # the holder holds until its duplicates met it (HOLD s at most)
+        holder = client.send_task("sfapp.hold_raise", ("amqp", HOLD), queue=vhost_queue)
         wait_for(lambda: sfapp.recorder.llen("runs:amqp") >= 1, timeout=15)
         raised = client.send_task("sfapp.hold_raise", ("amqp",), queue=vhost_queue)
         skipped = client.send_task("sfapp.hold_skip", ("amqp",), queue=vhost_queue)
         with pytest.raises(LockHeld):
             raised.get(timeout=30)
         assert is_skipped(skipped.get(timeout=30))
+        let_go(sfapp, "amqp")
         assert holder.get(timeout=30)["key"] == "amqp"
         assert sfapp.hold_raise.store.holder_record(sfapp.hold_raise.render_key("amqp")) == {}
     finally:

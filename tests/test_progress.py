@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -17,14 +18,48 @@ from .test_observers import flower, flower_state  # noqa: F401 - the flower fixt
 
 pytestmark = pytest.mark.worker
 
+#: how long a run's held step may hold at most: it holds until its test lets it go (:func:`let_go`),
+#: once the test looked at the run while it runs (a fixed 1-2 s run was outrun on a loaded machine)
+HOLD = 60.0
+#: the runs' names: every gate is opened after each test (a failed test must not leave a run busy on
+#: the shared worker)
+HOLDER_NAMES = ("w", "st", "late", "rv", "fl", "fl-rv", "dup")
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "sfapp" in request.fixturenames:
+        sfapp = request.getfixturevalue("sfapp")
+        for name in HOLDER_NAMES:
+            let_go(sfapp, name)
+            sfapp.recorder.set(f"gate:{name}", 1)  # and the steps after it end at once
+
+
+def let_go(sfapp: ModuleType, name: str) -> None:
+    """The ``sfapp.reporting`` run on ``name`` held at its step (``first``) goes on, at its own pace."""
+    sfapp.recorder.set(f"gate:{name}:first", 1)
+
+
+def follow(sfapp: ModuleType, name: str, events: Iterator[sf.WatchEvent], until: int) -> list[sf.WatchEvent]:
+    """Every event of a watch of the run on ``name``: once it has yielded the progress at step
+    ``until`` (the run is held there), the run is let go and the rest comes live."""
+    seen: list[sf.WatchEvent] = []
+    for event in events:
+        seen.append(event)
+        if event.kind == "progress" and event.current == until:
+            break
+    let_go(sfapp, name)
+    return [*seen, *events]
+
 
 def test_watch_by_key_from_another_process(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     """Given a task reporting 5 steps, a watcher in this process (not the worker) sees every
     update in order, live, and then the run's end; the status record then says succeeded."""
-    result = sfapp.reporting.delay("w", 5, 0.2)
+    result = sfapp.reporting.delay("w", 5, 0.2, first=HOLD)  # its first step until the watcher has it
     key = sfapp.reporting.render_key("w")
     wait_for(lambda: sf.status(sfapp.app, key), timeout=15)
-    events = list(sf.watch(sfapp.app, key, timeout=20))
+    events = follow(sfapp, "w", sf.watch(sfapp.app, key, timeout=20), until=0)
     progress = [e for e in events if e.kind == "progress"]
     assert [e.current for e in progress] == [0, 1, 2, 3, 4, 5]
     assert progress[0].state == "loading" and progress[-1].state == "finishing"
@@ -39,7 +74,7 @@ def test_watch_by_key_from_another_process(sfapp: ModuleType, shared_worker: Wor
 
 @pytest.mark.core
 def test_status_record_while_running(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
-    result = sfapp.reporting.delay("st", 4, 0.4)
+    result = sfapp.reporting.delay("st", 4, 0.4, first=HOLD)  # its first step until the test read it
     key = sfapp.reporting.render_key("st")
     st = wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current is not None and s, timeout=15)
     assert st.held and st.task_id == result.id and st.task_name == "sfapp.reporting"
@@ -54,16 +89,18 @@ def test_status_record_while_running(sfapp: ModuleType, shared_worker: WorkerPro
     # (state and meta from one read: states.read, so a run ending in between cannot pair them wrong)
     meta = wait_for(lambda: (m := sf_states.read(result)) and m.progress_state == "loading" and m, timeout=5)
     assert meta.key == key
+    let_go(sfapp, "st")
     result.get(timeout=15)
 
 
 def test_a_watcher_that_starts_late_replays_the_history(
     sfapp: ModuleType, shared_worker: WorkerProcess
 ) -> None:
-    result = sfapp.reporting.delay("late", 3, 0.3)
+    # its step 2 holds until the watcher, started then, replayed the steps before
+    result = sfapp.reporting.delay("late", 3, 0.3, first=HOLD, at=2)
     key = sfapp.reporting.render_key("late")
     wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current == 2, timeout=15)
-    events = list(sf.watch(sfapp.app, key, timeout=15))
+    events = follow(sfapp, "late", sf.watch(sfapp.app, key, timeout=15), until=2)
     assert [e.current for e in events if e.kind == "progress"] == [0, 1, 2, 3]
     result.get(timeout=5)
 
@@ -78,7 +115,7 @@ def test_terminal_outcome_of_a_failed_run(sfapp: ModuleType, shared_worker: Work
 
 @pytest.mark.core
 def test_terminal_outcome_of_a_revoked_run(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
-    result = sfapp.reporting.delay("rv", 50, 0.2)
+    result = sfapp.reporting.delay("rv", 50, 0.2, first=HOLD)  # its first step until revoked
     key = sfapp.reporting.render_key("rv")
     wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current is not None, timeout=15)
     result.revoke(terminate=True)
@@ -157,12 +194,14 @@ def test_flower_shows_progress_then_the_true_final_state(
     """Given a worker sending events and a real Flower, a task calling self.progress is PROGRESS
     in Flower while it runs, SUCCESS after; a revoked one ends REVOKED, not PROGRESS."""
     q = start_worker(concurrency=2, extra=("-E",)).queue  # type: ignore[operator]
-    done = sfapp.reporting.apply_async(("fl", 6, 0.3), queue=q)
+    # each run's first step holds until Flower showed it PROGRESS
+    done = sfapp.reporting.apply_async(("fl", 6, 0.3), {"first": HOLD}, queue=q)
     wait_for(lambda: flower_state(flower, done.id) == "PROGRESS", timeout=20, interval=0.1)
+    let_go(sfapp, "fl")
     done.get(timeout=20)
     wait_for(lambda: flower_state(flower, done.id) == "SUCCESS", timeout=10, interval=0.2)
 
-    revoked = sfapp.reporting.apply_async(("fl-rv", 100, 0.1), queue=q)
+    revoked = sfapp.reporting.apply_async(("fl-rv", 100, 0.1), {"first": HOLD}, queue=q)
     wait_for(lambda: flower_state(flower, revoked.id) == "PROGRESS", timeout=20, interval=0.1)
     revoked.revoke(terminate=True)
     wait_for(lambda: flower_state(flower, revoked.id) == "REVOKED", timeout=10, interval=0.2)
@@ -176,12 +215,13 @@ def test_duplicates_are_counted_and_shown_to_watchers(
 ) -> None:
     """Given a reporting holder, a skipped duplicate is counted on the holder's status and a
     live watcher sees a `duplicate` event naming it; the holder's run is unaffected."""
-    holder = sfapp.reporting.delay("dup", 4, 0.3)
+    # its first step holds until the duplicate met it and a watcher follows it
+    holder = sfapp.reporting.delay("dup", 4, 0.3, first=HOLD)
     key = sfapp.reporting.render_key("dup")
     wait_for(lambda: (s := sf.status(sfapp.app, key)) and s.current is not None, timeout=15)
     dup = sfapp.reporting_skip.delay("dup")
     assert sf.is_skipped(dup.get(timeout=15))
-    events = list(sf.watch(sfapp.app, key, timeout=15))
+    events = follow(sfapp, "dup", sf.watch(sfapp.app, key, timeout=15), until=0)
     dups = [e for e in events if e.kind == "duplicate"]
     assert len(dups) == 1 and dups[0].state == "skipped" and dups[0].fields["task_id"] == dup.id
     assert events[-1].kind == "end" and events[-1].state == "succeeded"

@@ -21,7 +21,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -38,16 +38,47 @@ from .conftest import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
+#: how long a holder may hold at most: it holds until its test ends it or lets it go (:func:`let_go`),
+#: once the runs behind it met it (a fixed 1-3 s was outrun on a loaded machine: a run came after the end)
+HOLD = 60.0
+#: the keys of this test (:func:`_fresh`): their gates are opened after it (a failed test must not
+#: leave a holder busy on the shared worker)
+_keys: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(sfapp: ModuleType) -> Iterator[None]:
+    yield
+    for key in _keys:
+        let_go(sfapp, key)
+        let_go(sfapp, f"{key}:retry")
+    _keys.clear()
+
+
+def let_go(sfapp: ModuleType, key: str) -> None:
+    """The run on ``key`` held at its gate goes on (``sfapp.mx_holder``, ``sfapp._pm_run``; a retry's
+    attempt of ``mx_holder`` waits at ``<key>:retry``)."""
+    sfapp.recorder.set(f"gate:{key}", 1)
+
 
 def _wait_running(sfapp: ModuleType, key: str) -> int:
     return int(wait_for(lambda: sfapp.recorder.get(f"pid:{key}"), timeout=20))
 
 
-def _behind(sfapp: ModuleType, key: str) -> tuple[AsyncResult, AsyncResult]:
-    """A parked run and a joined run behind the current holder of ``key``."""
+def _behind(sfapp: ModuleType, key: str, counted: bool = True) -> tuple[AsyncResult, AsyncResult]:
+    """A parked run and a joined run behind the current holder of ``key``. ``counted``: and both
+    counted on the holder's status, so parked and joined: QUEUED and JOINED are stored just before,
+    and a holder ending between the two would leave the run to run by itself (not under a time
+    limit, which ends the holder on its own clock, whatever the test waits for)."""
     parked = sfapp.mx_queued.delay(key)
     joined = sfapp.mx_joiner.delay(key)
     wait_for(lambda: parked.state == "QUEUED" and joined.state == "JOINED", timeout=20)
+    if counted:
+        def met() -> bool:
+            st = sf.status(sfapp.app, sfapp.mx_holder.render_key(key))
+            return st is not None and st.held and st.duplicates >= 2
+
+        wait_for(met, timeout=20)
     return parked, joined
 
 
@@ -79,24 +110,28 @@ def _check_duties(
 
 
 def _fresh() -> str:
-    return f"mx-{uuid.uuid4().hex[:8]}"
+    key = f"mx-{uuid.uuid4().hex[:8]}"
+    _keys.append(key)
+    return key
 
 
 def test_the_body_returns(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     key = _fresh()
-    holder = sfapp.mx_holder.delay(key, "succeed", 1.5)
+    holder = sfapp.mx_holder.delay(key, "succeed", HOLD)
     _wait_running(sfapp, key)
     assert sfapp.mx_holder.delay(key).id == holder.id  # the marker dedups while it runs
     parked, joined = _behind(sfapp, key)
+    let_go(sfapp, key)
     result = holder.get(timeout=15)
     _check_duties(sfapp, key, holder, parked, joined, lambda v: v == result, "succeeded")
 
 
 def test_the_body_raises(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     key = _fresh()
-    holder = sfapp.mx_holder.delay(key, "fail", 1.5)
+    holder = sfapp.mx_holder.delay(key, "fail", HOLD)
     _wait_running(sfapp, key)
     parked, joined = _behind(sfapp, key)
+    let_go(sfapp, key)
     with pytest.raises(ValueError, match="failed"):
         holder.get(timeout=15)
     _check_duties(sfapp, key, holder, parked, joined, lambda v: isinstance(v, ValueError), "failed")
@@ -106,10 +141,12 @@ def test_the_body_retries(sfapp: ModuleType, shared_worker: WorkerProcess) -> No
     """``self.retry()`` releases before the retry is sent: the parked run goes first, the joined run
     waits for the next run that ends (a retry has no result yet), and the retry runs after."""
     key = _fresh()
-    holder = sfapp.mx_holder.delay(key, "retry", 1.0)
+    holder = sfapp.mx_holder.delay(key, "retry", HOLD)
     _wait_running(sfapp, key)
     parked, joined = _behind(sfapp, key)
+    let_go(sfapp, key)  # the first attempt retries; the retry's attempt holds until its own gate opens
     _check_duties(sfapp, key, holder, parked, joined, lambda v: v == "queued-ran", "retried")
+    let_go(sfapp, f"{key}:retry")
     assert holder.get(timeout=20)["ran"] == holder.id  # the retry (2 s later) ran too
 
 
@@ -125,7 +162,7 @@ def test_a_hold_ends(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
 
 def test_the_pool_process_is_killed(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     key = _fresh()
-    holder = sfapp.mx_holder.delay(key, "succeed", 30)
+    holder = sfapp.mx_holder.delay(key, "succeed", HOLD)
     pid = _wait_running(sfapp, key)
     parked, joined = _behind(sfapp, key)
     os.kill(pid, signal.SIGKILL)
@@ -137,7 +174,7 @@ def test_the_pool_process_is_killed(sfapp: ModuleType, shared_worker: WorkerProc
 
 def test_the_run_is_revoked_with_terminate(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     key = _fresh()
-    holder = sfapp.mx_holder.delay(key, "succeed", 30)
+    holder = sfapp.mx_holder.delay(key, "succeed", HOLD)
     _wait_running(sfapp, key)
     parked, joined = _behind(sfapp, key)
     holder.revoke(terminate=True)
@@ -153,7 +190,7 @@ def test_the_hard_time_limit_ends_the_run(sfapp: ModuleType, shared_worker: Work
     key = _fresh()
     holder = sfapp.mx_time_limited.delay(key)
     _wait_running(sfapp, key)
-    parked, joined = _behind(sfapp, key)
+    parked, joined = _behind(sfapp, key, counted=False)
     with pytest.raises(TimeLimitExceeded):
         holder.get(timeout=15)
     _check_duties(sfapp, key, holder, parked, joined, lambda v: isinstance(v, TimeLimitExceeded),
@@ -164,13 +201,15 @@ def test_an_operator_force_releases(sfapp: ModuleType, shared_worker: WorkerProc
     """The key is handed to the parked run at once (no wait for the sweeper), the joined run gets
     a LeaseLost naming the operator, and the old body, still running, learns it lost the key."""
     key = _fresh()
-    holder = sfapp.mx_holder.delay(key, "succeed", 4)
+    holder = sfapp.mx_holder.delay(key, "succeed", HOLD)
     _wait_running(sfapp, key)
     parked, joined = _behind(sfapp, key)
     released_at = time.monotonic()
     assert sf.force_release(sfapp.app, sfapp.mx_holder.render_key(key), by="ops@matrix") == holder.id
     assert parked.get(timeout=10) == "queued-ran"
     assert time.monotonic() - released_at < 3.0, "the parked run waited for the sweeper"
+    assert not holder.ready()  # the old body still runs
+    let_go(sfapp, key)
     holder.get(timeout=15)  # the old body ends (its marker goes with it); its release finds the key gone
     _check_duties(sfapp, key, holder, parked, joined,
                   lambda v: isinstance(v, LeaseLost) and "ops@matrix" in str(v), "force-released")
@@ -184,7 +223,7 @@ def test_the_whole_worker_dies(sfapp: ModuleType, shared_worker: WorkerProcess, 
     marker no longer counts."""
     doomed: WorkerProcess = start_worker(concurrency=1, env={"SF_TEST_TTL": "3"})
     key = _fresh()
-    holder = sfapp.mx_holder.apply_async((key, "succeed", 30), queue=doomed.queue)
+    holder = sfapp.mx_holder.apply_async((key, "succeed", HOLD), queue=doomed.queue)
     _wait_running(sfapp, key)
     parked, joined = _behind(sfapp, key)  # to the shared worker
     killed_at = time.monotonic()
@@ -229,11 +268,21 @@ def test_new_policies_leave_nothing_pending(
         queue = blipped.queue  # type: ignore[union-attr]
     try:
         options: dict[str, Any] = {"time_limit": 1.5} if path == "time-limit" else {}
-        holder = task.apply_async((key, 0, 3.0 if path == "redis-blip" else 30.0), queue=queue, **options)
+        # the holder holds until the test ends it (or lets it go after the blip), HOLD s at most
+        holder = task.apply_async((key, 0, HOLD), queue=queue, **options)
         pid = _wait_running(sfapp, key)
         behind = [task.delay(key, 1), task.delay(key, 2)]
         st_key = task.render_key(key, 0)
-        wait_for(lambda: getattr(sf.status(sfapp.app, st_key), "queued", 0) >= 1, timeout=20)
+
+        def met() -> bool:
+            """Waiting behind the holder, both counted on its status (not under a time limit, which
+            ends the holder on its own clock: a run still on its way then comes after it)."""
+            st = sf.status(sfapp.app, st_key)
+            if st is None or st.queued < 1:
+                return False
+            return path == "time-limit" or (st.held and st.duplicates >= 2)
+
+        wait_for(met, timeout=20)
         if path == "killed":
             os.kill(pid, signal.SIGKILL)
         elif path == "revoked":
@@ -245,6 +294,7 @@ def test_new_policies_leave_nothing_pending(
             # logs a look that failed), then healed while the holder still runs
             wait_for(lambda: "queue sweep failed" in blipped.log(), timeout=15)
             proxy.heal()
+            let_go(sfapp, key)
         outcomes = []
         for result in behind:
             try:

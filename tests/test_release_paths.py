@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -21,6 +22,26 @@ from .conftest import wait_for
 
 pytestmark = pytest.mark.worker
 FREE_WITHIN = 5.0  # seconds; far below the 30 s TTL
+#: how long a run may hold at most: it holds until the test ends it (or lets it go: :func:`let_go`),
+#: not for a fixed time a loaded machine could outrun
+HOLD = 60.0
+#: the runs' keys: every gate is opened after each test (a failed test must not leave a run busy on
+#: the shared worker)
+HOLDER_KEYS = ("revoked", "killed", "warm", "host")
+
+
+@pytest.fixture(autouse=True)
+def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "sfapp" in request.fixturenames:
+        sfapp = request.getfixturevalue("sfapp")
+        for key in HOLDER_KEYS:
+            let_go(sfapp, key)
+
+
+def let_go(sfapp: ModuleType, key: str) -> None:
+    """The run on ``key`` held at its gate goes on (``sfapp.sleeper``)."""
+    sfapp.recorder.set(f"gate:{key}", 1)
 
 
 def held(sfapp: ModuleType, task: object, key: str) -> dict[str, str]:
@@ -100,7 +121,7 @@ def test_hard_time_limit_releases_from_the_main_process(
 
 @pytest.mark.core
 def test_revoke_terminate_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
-    result = sfapp.sleeper.delay("revoked")
+    result = sfapp.sleeper.delay("revoked", HOLD)
     wait_running(sfapp, "revoked")
     assert held(sfapp, sfapp.sleeper, "revoked")
     result.revoke(terminate=True)
@@ -112,7 +133,7 @@ def test_revoke_terminate_releases(sfapp: ModuleType, shared_worker: WorkerProce
 def test_killed_pool_process_releases(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
     """Given a running holder, when its pool process is killed with SIGKILL (it runs no code),
     then the worker's main process frees the key, well before the TTL."""
-    result = sfapp.sleeper.delay("killed")
+    result = sfapp.sleeper.delay("killed", HOLD)
     pid = wait_running(sfapp, "killed")
     os.kill(pid, signal.SIGKILL)
     assert_freed(sfapp, sfapp.sleeper, "killed")
@@ -124,10 +145,17 @@ def test_killed_pool_process_releases(sfapp: ModuleType, shared_worker: WorkerPr
 def test_warm_shutdown_lets_the_run_finish_and_release(
     sfapp: ModuleType, start_worker: object
 ) -> None:
+    """Given a run holding its key, when its worker gets SIGTERM, then the run finishes (let go
+    once the warm shutdown began), stores its result and releases the key before the worker exits."""
     worker: WorkerProcess = start_worker(concurrency=1)  # type: ignore[operator]
-    result = sfapp.sleeper.apply_async(("warm", 1.5), queue=worker.queue)
+    result = sfapp.sleeper.apply_async(("warm", HOLD), queue=worker.queue)
     wait_running(sfapp, "warm")
-    worker.stop(timeout=20)
+    assert worker.proc is not None
+    worker.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "Warm shutdown" in worker.log(), timeout=15)
+    assert not result.ready()
+    let_go(sfapp, "warm")
+    worker.proc.wait(timeout=20)  # the run ends, then the worker
     assert result.get(timeout=5) == "slept"
     assert held(sfapp, sfapp.sleeper, "warm") == {}
 
@@ -138,7 +166,7 @@ def test_lost_host_frees_the_key_within_the_ttl(
     """Given a worker with a 3 s TTL, when the whole worker is SIGKILLed (no process survives to
     release), then the key frees by expiry within the TTL."""
     worker: WorkerProcess = start_worker(concurrency=1, env={"SF_TEST_TTL": "3"})  # type: ignore[operator]
-    sfapp.sleeper.apply_async(("host",), queue=worker.queue)
+    sfapp.sleeper.apply_async(("host", HOLD), queue=worker.queue)
     wait_running(sfapp, "host")
     assert held(sfapp, sfapp.sleeper, "host")
     worker.kill()
