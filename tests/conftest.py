@@ -314,6 +314,45 @@ def open_gate(redis_server: RedisServer, name: str = "gate") -> None:
     redis_server.client(3).set(name, 1)
 
 
+#: how long a holder a test must outlast holds at most: it holds at its gate (``gate:<key>``, see
+#: tests/gates.py) until the test lets it go (:func:`let_go`), once the runs behind it met it or
+#: the test looked; a fixed 0.5-3 s was outrun on a loaded machine (a duplicate came after the end)
+HOLD = 60.0
+
+
+def let_go(sfapp: ModuleType, *keys: str) -> None:
+    """The runs held at the gates of ``keys`` go on (``gate:<key>`` in the recorder)."""
+    for key in keys:
+        sfapp.recorder.set(f"gate:{key}", 1)
+
+
+def met(task: Any, count: int, *args: Any) -> bool:
+    """Whether ``count`` duplicates met the running holder of ``task(*args)``'s key: counted on its
+    status once parked or joined (QUEUED and JOINED are stored just before the park or join: a
+    holder let go between the two would leave the duplicate to run by itself)."""
+    st = task.status(*args)
+    return st is not None and st.held and st.duplicates >= count
+
+
+def let_first_step_go(sfapp: ModuleType, *names: str) -> None:
+    """The ``sfapp.reporting`` runs on ``names`` held at one step (``first=``) go on at their pace."""
+    let_go(sfapp, *(f"{name}:first" for name in names))
+
+
+def gates_opened_after(*keys: str) -> Any:
+    """A module's autouse fixture: after each test that uses the app, the gates of ``keys`` are
+    opened, so that a failed test does not leave a holder busy on a worker a later test gets.
+    Assign it to a module-level name."""
+
+    @pytest.fixture(autouse=True)
+    def opened(request: pytest.FixtureRequest) -> Iterator[None]:
+        yield
+        if "sfapp" in request.fixturenames:
+            let_go(request.getfixturevalue("sfapp"), *keys)
+
+    return opened
+
+
 @contextlib.contextmanager
 def running_app(module_name: str, env_var: str, concurrency: int = 4) -> Iterator[ModuleType]:
     """Import ``tests/<module_name>.py`` against a private Redis of its own (its URL in

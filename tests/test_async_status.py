@@ -31,7 +31,7 @@ from celery_singleflight.ops.status import StatusReader
 from celery_singleflight.protocol.replies import Holder
 from celery_singleflight.testing import RedisServer, free_port
 
-from .conftest import ROOT, wait_for
+from .conftest import HOLD, ROOT, let_first_step_go, wait_for
 from .test_cluster import cluster  # noqa: F401 - the Cluster fixture
 from .test_sentinel import group  # noqa: F401 - the Sentinel fixture
 from .test_tls_acl import tls, tls_redis  # noqa: F401 - the TLS fixtures
@@ -39,16 +39,6 @@ from .test_tls_acl import tls, tls_redis  # noqa: F401 - the TLS fixtures
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 EVENTS_APP = ROOT / "example_project" / "events_asgi.py"
 CLIENTS = 50
-#: how long a run's first step may hold at most: it holds until its test lets it go (:func:`let_go`),
-#: once the test read it and its watchers follow (a fixed 2-4 s run was outrun on a loaded machine)
-HOLD = 60.0
-
-
-def let_go(sfapp: ModuleType, name: str) -> None:
-    """The ``sfapp.reporting`` run on ``name`` held at its first step goes on, at its own pace."""
-    sfapp.recorder.set(f"gate:{name}:first", 1)
-
-
 def comparable(st: KeyStatus | None) -> dict[str, Any] | None:
     """A status without its lease's time left (which moves between two reads)."""
     if st is None:
@@ -130,7 +120,7 @@ def test_astatus_and_awatch_answer_as_status_and_watch(sfapp: ModuleType, start_
             # every watcher read the run's history (its first report) before the next report comes
             wait_for(lambda: all(seen.is_set() for seen in following), timeout=20)
         finally:
-            let_go(sfapp, name)
+            let_first_step_go(sfapp, name)
         events = asynchronous.result(timeout=30)
         # Then every watcher saw the same events: the history, each report, then the end
         assert events == blocking.result(timeout=30) == blocking_by_args.result(timeout=30) \
@@ -340,7 +330,7 @@ def test_fifty_sse_clients_of_one_key_from_one_asgi_server(
         await asyncio.wait_for(all_streaming.wait(), timeout=20)
         threads = threading.active_count()  # every client connected and streaming
         during = await sf.astatus(app, key)
-        let_go(sfapp, name)  # the run goes on: a report every 0.3 s, then its end
+        let_first_step_go(sfapp, name)  # the run goes on: a report every 0.3 s, then its end
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
         return results, threads, during is not None and during.held
 
@@ -349,7 +339,7 @@ def test_fifty_sse_clients_of_one_key_from_one_asgi_server(
         baseline = threading.active_count()
         results, threads, still_running = asyncio.run(asyncio.wait_for(clients(), timeout=90))
     finally:
-        let_go(sfapp, name)
+        let_first_step_go(sfapp, name)
 
     # Then all 50 were streaming while the run went on, on no more threads than before (a stray
     # helper thread aside: a thread per client would add 50, a thread pool at least 5)

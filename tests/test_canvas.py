@@ -21,7 +21,7 @@ from celery.result import AsyncResult
 from celery_singleflight import LockHeld, is_skipped
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import TESTS, stays, wait_for, worker_env
+from .conftest import HOLD, TESTS, gates_opened_after, let_go, met, stays, wait_for, worker_env
 
 pytestmark = pytest.mark.worker
 
@@ -46,20 +46,8 @@ def q(canvas_worker: WorkerProcess) -> str:
     return canvas_worker.queue  # type: ignore[attr-defined,no-any-return]
 
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
-#: duplicates met it (a fixed 1-3 s was outrun on a loaded machine: a duplicate came after the end)
-HOLD = 60.0
-#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
-#: busy on the shared worker)
-HOLDER_KEYS = ("craise", "cskip", "cretry", "cq", "cjerr", "cjlast", "cjeb", "cjold", "gq", "gs", "gs1",
-               "chj", "chq", "chr", "chs", "chx")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(sfapp: ModuleType) -> Iterator[None]:
-    yield
-    for key in HOLDER_KEYS:
-        let_go(sfapp, key)
+_gates_opened = gates_opened_after("craise", "cskip", "cretry", "cq", "cjerr", "cjlast", "cjeb", "cjold",
+                                   "gq", "gs", "gs1", "chj", "chq", "chr", "chs", "chx")
 
 
 def start_holder(sfapp: ModuleType, task: Any, q: str, key: str, *args: Any) -> AsyncResult:
@@ -68,19 +56,6 @@ def start_holder(sfapp: ModuleType, task: Any, q: str, key: str, *args: Any) -> 
     holder = task.apply_async((key, *args), queue=q)
     wait_for(lambda: sfapp.recorder.llen(f"runs:{key}") >= 1, timeout=15)
     return holder
-
-
-def met(task: Any, count: int, *args: Any) -> bool:
-    """Whether ``count`` duplicates met the running holder of ``task(*args)``'s key: counted on its
-    status once parked or joined (QUEUED and JOINED are stored just before: a holder let go
-    between the two would make a duplicate run itself)."""
-    st = task.status(*args)
-    return st is not None and st.held and st.duplicates >= count
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
 
 
 def seen(sfapp: ModuleType, tag: str) -> list[Any]:

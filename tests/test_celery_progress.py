@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -13,30 +12,11 @@ from celery_singleflight import states
 from celery_singleflight.run.progress import ProgressUpdate, result_meta
 from celery_singleflight.testing import WorkerProcess
 
-from .conftest import wait_for
+from .conftest import HOLD, gates_opened_after, let_first_step_go, wait_for
 
 pytestmark = pytest.mark.worker
 
-#: how long a run's held step may hold at most: it holds until its test lets it go (:func:`let_go`),
-#: once the test read it while it runs (a fixed 1.2-1.5 s run was outrun on a loaded machine)
-HOLD = 60.0
-#: the runs' names: every gate is opened after each test (a failed test must not leave a run busy on
-#: the shared worker)
-HOLDER_NAMES = ("cp", "cpg0", "cpg1")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "sfapp" in request.fixturenames:
-        sfapp = request.getfixturevalue("sfapp")
-        for name in HOLDER_NAMES:
-            let_go(sfapp, name)
-
-
-def let_go(sfapp: ModuleType, name: str) -> None:
-    """The ``sfapp.reporting`` run on ``name`` held at its step (``first``) goes on, at its own pace."""
-    sfapp.recorder.set(f"gate:{name}:first", 1)
+_gates_opened = gates_opened_after("cp:first", "cpg0:first", "cpg1:first")
 
 
 def test_progress_get_info_on_a_running_task(sfapp: ModuleType, shared_worker: WorkerProcess) -> None:
@@ -61,7 +41,7 @@ def test_progress_get_info_on_a_running_task(sfapp: ModuleType, shared_worker: W
     meta = states.meta_of(info["state"], progress)
     assert meta is not None and meta.progress_state == "loading" and meta.total == 5
 
-    let_go(sfapp, "cp")
+    let_first_step_go(sfapp, "cp")
     assert result.get(timeout=15) == 5
     done = Progress(result).get_info()
     assert done["complete"] is True and done["success"] is True and done["result"] == 5
@@ -80,8 +60,8 @@ def test_group_progress_sums_our_numbers(sfapp: ModuleType, shared_worker: Worke
     info = wait_for(both_reporting, timeout=15)
     assert info["progress"]["total"] == 8 and 0 <= info["progress"]["current"] <= 8
     assert info["complete"] is False
-    let_go(sfapp, "cpg0")
-    let_go(sfapp, "cpg1")
+    let_first_step_go(sfapp, "cpg0")
+    let_first_step_go(sfapp, "cpg1")
     assert result.get(timeout=15) == [4, 4]
     assert GroupProgress(result).get_info()["progress"]["percent"] == 100
 

@@ -4,7 +4,6 @@ carrying the newest arguments; every replaced or dropped run ends SUCCESS, sayin
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -16,32 +15,12 @@ from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
-from .conftest import wait_for
+from .conftest import HOLD, gates_opened_after, let_go, wait_for
 from .lua_sources import SOURCE
 
 pytestmark = pytest.mark.share_workers  # start_worker may lend a worker an earlier test left idle
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
-#: duplicates met it (a fixed 1.5 s was outrun on a loaded machine: a duplicate came after the end)
-HOLD = 60.0
-#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
-#: busy on a worker)
-HOLDER_KEYS = ("burst", "first")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    # only in the tests that run the app: the script test needs no recorder
-    sfapp = request.getfixturevalue("sfapp") if "sfapp" in request.fixturenames else None
-    yield
-    if sfapp is not None:
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
+_gates_opened = gates_opened_after("burst", "first")
 
 
 def payloads(sfapp: ModuleType, key: str) -> list[int]:

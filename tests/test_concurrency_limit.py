@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -12,30 +11,11 @@ from celery_singleflight import ConfigurationError
 from celery_singleflight.config.options import resolve_options
 from celery_singleflight.testing import WorkerProcess
 
-from .conftest import wait_for
+from .conftest import HOLD, gates_opened_after, let_go, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
-#: test saw what it needs while the holder runs (a fixed 2-20 s hoped a loaded machine was quicker)
-HOLD = 60.0
-#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
-#: busy on a worker a later test may get)
-HOLDER_KEYS = ("slot", "self")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "sfapp" in request.fixturenames:
-        sfapp = request.getfixturevalue("sfapp")
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.record_limited``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
+_gates_opened = gates_opened_after("slot", "self")
 
 
 def test_limit_three_with_thirty_tasks(sfapp: ModuleType, start_worker: object) -> None:

@@ -22,15 +22,12 @@ from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.testing import RedisServer
 
 from .chaos.faultproxy import DROP_REPLY, FaultProxy
-from .conftest import wait_for
+from .conftest import HOLD, wait_for
 from .lua_sources import SOURCE
 from .test_cli import run_cli
 
 pytestmark = pytest.mark.share_workers  # start_worker may lend a worker an earlier test left idle
 
-#: how long a holder may hold at most: it holds until its test sets its ``until`` key (``sfapp.record_fair``),
-#: once the runs behind it are where the test needs them (a fixed 0.5-1.5 s was outrun on a loaded machine)
-HOLD = 60.0
 
 
 def parked_for(store: LeaseStore, gate: str) -> float:

@@ -18,30 +18,11 @@ import celery_singleflight as sf
 from celery_singleflight import ConfigurationError, LeaseLost, LockHeld, RedisUnavailable, hold, signals
 from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
-from .conftest import stays, wait_for
+from .conftest import HOLD, gates_opened_after, let_go, stays, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a task run may hold at most: it holds until its test lets it go (:func:`let_go`), once
-#: the test saw what it needs while the run holds (a fixed 1-3 s was outrun on a loaded machine)
-HOLD = 60.0
-#: the task runs' keys: every gate is opened after each test (a failed test must not leave a run
-#: busy on the shared worker)
-HOLDER_KEYS = ("busy", "hc", "hc-busy")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "sfapp" in request.fixturenames:
-        sfapp = request.getfixturevalue("sfapp")
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.sleeper``, ``sfapp.record_limited``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
+_gates_opened = gates_opened_after("busy", "hc", "hc-busy")
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -13,30 +12,11 @@ from kombu.exceptions import EncodeError
 
 from celery_singleflight.testing import RedisServer
 
-from .conftest import wait_for
+from .conftest import HOLD, gates_opened_after, let_go, met, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
-#: duplicate met it (a fixed 0.5-1 s was outrun on a loaded machine: a duplicate came after the end)
-HOLD = 60.0
-#: the holders' gate keys (``record_run``'s key): every gate is opened after each test (a failed
-#: test must not leave a holder busy on a worker)
-HOLDER_KEYS = ("acme:m-1", "run")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    sfapp = request.getfixturevalue("sfapp") if "sfapp" in request.fixturenames else None
-    yield
-    if sfapp is not None:
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
+_gates_opened = gates_opened_after("acme:m-1", "run")
 
 
 def test_same_message_five_times_runs_once_with_five_identical_results(
@@ -50,9 +30,8 @@ def test_same_message_five_times_runs_once_with_five_identical_results(
     def deliver() -> Any:
         return sfapp.handle_message.apply_async(("acme", "m-1", HOLD), queue=q)
 
-    def parked_behind_it() -> bool:  # counted on the holder's status once parked (after QUEUED)
-        st = sfapp.handle_message.status("acme", "m-1")
-        return results[1].state == "QUEUED" and st is not None and st.held and st.duplicates >= 1
+    def parked_behind_it() -> bool:
+        return results[1].state == "QUEUED" and met(sfapp.handle_message, 1, "acme", "m-1")
 
     results = [deliver()]
     wait_for(lambda: sfapp.recorder.llen("runs:acme:m-1") == 1, timeout=15)  # the first runs (held)

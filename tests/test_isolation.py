@@ -53,14 +53,11 @@ from celery_singleflight.testing import RedisServer, binary_server_kind
 from celery_singleflight.worker.preflight import preflight
 from celery_singleflight.worker.sweeper import HandOn, Sweeper
 
-from .conftest import TESTS, stays, wait_for, wait_server_time, worker_env
+from .conftest import HOLD, TESTS, stays, wait_for, wait_server_time, worker_env
 
 pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test)
 
 NS_A, NS_B = "tenant-a", "tenant-b"
-#: how long a worker test's holder may hold at most: it holds until the test opens its gate, once
-#: its duplicates met it (a fixed 0.8 s was outrun on a loaded machine)
-HOLD = 60.0
 PASSWORD = "s3cret-tenant"
 
 @functools.cache

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -13,39 +12,11 @@ from celery import chain
 
 from celery_singleflight import ConfigurationError, SingleFlightTask
 
-from .conftest import wait_for
+from .conftest import HOLD, gates_opened_after, let_go, met, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
-#: duplicates joined it (a fixed 1-1.5 s was outrun on a loaded machine: a duplicate came after the end)
-HOLD = 60.0
-#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
-#: busy on a worker)
-HOLDER_KEYS = ("j20", "jerr", "jchain")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    # only in the tests that run the app: the configuration tests need no Redis
-    sfapp = request.getfixturevalue("sfapp") if "sfapp" in request.fixturenames else None
-    yield
-    if sfapp is not None:
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
-
-
-def joined_it(sfapp: ModuleType, key: str, count: int) -> bool:
-    """Whether ``count`` duplicates joined the running holder of ``key``: counted on its status
-    once in its joined list (JOINED is stored just before: a holder that ended between the two
-    would make a duplicate run)."""
-    st = sfapp.joined.status(key, "first")
-    return st is not None and st.held and st.duplicates >= count
+_gates_opened = gates_opened_after("j20", "jerr", "jchain")
 
 
 def test_twenty_duplicates_all_return_the_holders_result(
@@ -58,7 +29,7 @@ def test_twenty_duplicates_all_return_the_holders_result(
     wait_for(lambda: sfapp.recorder.llen("runs:j20") >= 1, timeout=15)
     dups = [sfapp.joined.apply_async(("j20", f"dup{i}", 0.01), queue=q) for i in range(20)]
     wait_for(lambda: all(d.state == "JOINED" for d in dups), timeout=20)
-    wait_for(lambda: joined_it(sfapp, "j20", 20), timeout=15)
+    wait_for(lambda: met(sfapp.joined, 20, "j20", "first"), timeout=15)
     let_go(sfapp, "j20")
     expected = {"value": "first", "ran": holder.id}
     assert holder.get(timeout=15) == expected
@@ -75,7 +46,7 @@ def test_an_error_in_the_holder_reaches_the_joined_runs(sfapp: ModuleType, start
     wait_for(lambda: sfapp.recorder.llen("runs:jerr") >= 1, timeout=15)
     dups = [sfapp.joined.apply_async(("jerr", f"d{i}", 0.01), queue=q) for i in range(3)]
     wait_for(lambda: all(d.state == "JOINED" for d in dups), timeout=15)
-    wait_for(lambda: joined_it(sfapp, "jerr", 3), timeout=15)
+    wait_for(lambda: met(sfapp.joined, 3, "jerr", "first"), timeout=15)
     let_go(sfapp, "jerr")
     for result in (holder, *dups):
         with pytest.raises(ValueError, match="holder failed on jerr"):
@@ -106,7 +77,7 @@ def test_a_joined_link_in_a_chain_passes_the_holders_result_on(
     flow = chain(sfapp.joined.s("jchain", "dup", 0.01).set(queue=q), sfapp.add_one.s().set(queue=q))
     result = flow.apply_async()
     wait_for(lambda: result.parent.state == "JOINED", timeout=15)
-    wait_for(lambda: joined_it(sfapp, "jchain", 1), timeout=15)
+    wait_for(lambda: met(sfapp.joined, 1, "jchain", "first"), timeout=15)
     let_go(sfapp, "jchain")
     expected = {"value": "first", "ran": holder.id}
     assert result.get(timeout=20) == {"after": expected}

@@ -29,13 +29,10 @@ from celery_singleflight.metrics.catalog import SERIES, markdown_table
 from celery_singleflight.metrics.record import FLUSH_AFTER
 from celery_singleflight.testing import free_port
 
-from .conftest import IN_CI, ROOT, TESTS, stays, wait_for, worker_env
+from .conftest import HOLD, IN_CI, ROOT, TESTS, let_go, stays, wait_for, worker_env
 
 pytestmark = pytest.mark.worker
 PROMETHEUS = shutil.which("prometheus")
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once its
-#: duplicates met it (a fixed 1-4 s was outrun on a loaded machine: a duplicate came after the end)
-HOLD = 60.0
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -137,12 +134,6 @@ def holding(task: Any, args: tuple[Any, ...], queue: str) -> Any:
     result = task.apply_async(args, queue=queue)
     wait_for(lambda: held(task, *args))
     return result
-
-
-def let_go(sfapp: ModuleType, *keys: str) -> None:
-    """The runs on ``keys`` held at their gate go on (``sfapp.record_run``, ``sfapp.fair_metered``)."""
-    for key in keys:
-        sfapp.recorder.set(f"gate:{key}", 1)
 
 
 def _value(query: Callable[[str], list[dict[str, Any]]], expr: str) -> float:

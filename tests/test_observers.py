@@ -18,30 +18,11 @@ from celery import Celery
 from celery_singleflight import LockHeld, is_skipped
 from celery_singleflight.testing import RedisServer, WorkerProcess, free_port
 
-from .conftest import IN_CI, TESTS, wait_for, worker_env
+from .conftest import HOLD, IN_CI, TESTS, gates_opened_after, let_go, wait_for, worker_env
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once its
-#: duplicates met it (a fixed 1.5 s was outrun on a loaded machine: a duplicate came after the end)
-HOLD = 60.0
-#: the holders' keys: every gate is opened after each test (a failed test must not leave a holder
-#: busy on a worker a later test may get)
-HOLDER_KEYS = ("flower", "amqp")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "sfapp" in request.fixturenames:
-        sfapp = request.getfixturevalue("sfapp")
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The runs on ``key`` held at their gate go on (``sfapp.record_run``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
+_gates_opened = gates_opened_after("flower", "amqp")
 
 
 @pytest.fixture

@@ -13,32 +13,14 @@ from celery_singleflight import NotInsideRun
 from celery_singleflight import states as sf_states
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import stays, wait_for
+from .conftest import HOLD, gates_opened_after, let_first_step_go, stays, wait_for
 from .test_observers import flower, flower_state  # noqa: F401 - the flower fixture
 
 pytestmark = pytest.mark.worker
 
-#: how long a run's held step may hold at most: it holds until its test lets it go (:func:`let_go`),
-#: once the test looked at the run while it runs (a fixed 1-2 s run was outrun on a loaded machine)
-HOLD = 60.0
-#: the runs' names: every gate is opened after each test (a failed test must not leave a run busy on
-#: the shared worker)
-HOLDER_NAMES = ("w", "st", "late", "rv", "fl", "fl-rv", "dup")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "sfapp" in request.fixturenames:
-        sfapp = request.getfixturevalue("sfapp")
-        for name in HOLDER_NAMES:
-            let_go(sfapp, name)
-            sfapp.recorder.set(f"gate:{name}", 1)  # and the steps after it end at once
-
-
-def let_go(sfapp: ModuleType, name: str) -> None:
-    """The ``sfapp.reporting`` run on ``name`` held at its step (``first``) goes on, at its own pace."""
-    sfapp.recorder.set(f"gate:{name}:first", 1)
+#: the runs' held steps and the steps after (which then end at once)
+_HELD = ("w", "st", "late", "rv", "fl", "fl-rv", "dup")
+_gates_opened = gates_opened_after(*_HELD, *(f"{name}:first" for name in _HELD))
 
 
 def follow(sfapp: ModuleType, name: str, events: Iterator[sf.WatchEvent], until: int) -> list[sf.WatchEvent]:
@@ -49,7 +31,7 @@ def follow(sfapp: ModuleType, name: str, events: Iterator[sf.WatchEvent], until:
         seen.append(event)
         if event.kind == "progress" and event.current == until:
             break
-    let_go(sfapp, name)
+    let_first_step_go(sfapp, name)
     return [*seen, *events]
 
 
@@ -89,7 +71,7 @@ def test_status_record_while_running(sfapp: ModuleType, shared_worker: WorkerPro
     # (state and meta from one read: states.read, so a run ending in between cannot pair them wrong)
     meta = wait_for(lambda: (m := sf_states.read(result)) and m.progress_state == "loading" and m, timeout=5)
     assert meta.key == key
-    let_go(sfapp, "st")
+    let_first_step_go(sfapp, "st")
     result.get(timeout=15)
 
 
@@ -197,7 +179,7 @@ def test_flower_shows_progress_then_the_true_final_state(
     # each run's first step holds until Flower showed it PROGRESS
     done = sfapp.reporting.apply_async(("fl", 6, 0.3), {"first": HOLD}, queue=q)
     wait_for(lambda: flower_state(flower, done.id) == "PROGRESS", timeout=20, interval=0.1)
-    let_go(sfapp, "fl")
+    let_first_step_go(sfapp, "fl")
     done.get(timeout=20)
     wait_for(lambda: flower_state(flower, done.id) == "SUCCESS", timeout=10, interval=0.2)
 

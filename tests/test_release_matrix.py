@@ -34,13 +34,10 @@ import celery_singleflight as sf
 from celery_singleflight import LeaseLost, hold
 from celery_singleflight.testing import WorkerProcess
 
-from .conftest import wait_for
+from .conftest import HOLD, let_go, met, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a holder may hold at most: it holds until its test ends it or lets it go (:func:`let_go`),
-#: once the runs behind it met it (a fixed 1-3 s was outrun on a loaded machine: a run came after the end)
-HOLD = 60.0
 #: the keys of this test (:func:`_fresh`): their gates are opened after it (a failed test must not
 #: leave a holder busy on the shared worker)
 _keys: list[str] = []
@@ -49,16 +46,8 @@ _keys: list[str] = []
 @pytest.fixture(autouse=True)
 def _gates_open_after(sfapp: ModuleType) -> Iterator[None]:
     yield
-    for key in _keys:
-        let_go(sfapp, key)
-        let_go(sfapp, f"{key}:retry")
+    let_go(sfapp, *_keys, *(f"{key}:retry" for key in _keys))  # a retry's attempt of mx_holder waits there
     _keys.clear()
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The run on ``key`` held at its gate goes on (``sfapp.mx_holder``, ``sfapp._pm_run``; a retry's
-    attempt of ``mx_holder`` waits at ``<key>:retry``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
 
 
 def _wait_running(sfapp: ModuleType, key: str) -> int:
@@ -74,11 +63,7 @@ def _behind(sfapp: ModuleType, key: str, counted: bool = True) -> tuple[AsyncRes
     joined = sfapp.mx_joiner.delay(key)
     wait_for(lambda: parked.state == "QUEUED" and joined.state == "JOINED", timeout=20)
     if counted:
-        def met() -> bool:
-            st = sf.status(sfapp.app, sfapp.mx_holder.render_key(key))
-            return st is not None and st.held and st.duplicates >= 2
-
-        wait_for(met, timeout=20)
+        wait_for(lambda: met(sfapp.mx_holder, 2, key), timeout=20)
     return parked, joined
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -18,30 +17,11 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 import celery_singleflight as sf
 from celery_singleflight.testing import RedisServer, WorkerProcess
 
-from .conftest import wait_for
+from .conftest import HOLD, gates_opened_after, let_go, wait_for
 
 pytestmark = pytest.mark.worker
 FREE_WITHIN = 5.0  # seconds; far below the 30 s TTL
-#: how long a run may hold at most: it holds until the test ends it (or lets it go: :func:`let_go`),
-#: not for a fixed time a loaded machine could outrun
-HOLD = 60.0
-#: the runs' keys: every gate is opened after each test (a failed test must not leave a run busy on
-#: the shared worker)
-HOLDER_KEYS = ("revoked", "killed", "warm", "host")
-
-
-@pytest.fixture(autouse=True)
-def _gates_open_after(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "sfapp" in request.fixturenames:
-        sfapp = request.getfixturevalue("sfapp")
-        for key in HOLDER_KEYS:
-            let_go(sfapp, key)
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The run on ``key`` held at its gate goes on (``sfapp.sleeper``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
+_gates_opened = gates_opened_after("revoked", "killed", "warm", "host")
 
 
 def held(sfapp: ModuleType, task: object, key: str) -> dict[str, str]:

@@ -14,18 +14,10 @@ import pytest
 import celery_singleflight as sf
 from celery_singleflight.run.messages import HEADER_SENT
 
-from .conftest import wait_for
+from .conftest import HOLD, let_go, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.share_workers]
 
-#: how long a holder may hold at most: it holds until its test lets it go (:func:`let_go`), once the
-#: re-sent message met it (a fixed 1.5 s was outrun on a loaded machine: the message came after the end)
-HOLD = 60.0
-
-
-def let_go(sfapp: ModuleType, key: str) -> None:
-    """The run on ``key`` held at its gate goes on (``sfapp.record_run``, ``sfapp.superseding``)."""
-    sfapp.recorder.set(f"gate:{key}", 1)
 
 
 def _payloads(sfapp: ModuleType, key: str) -> list[int]:
