@@ -7,6 +7,7 @@ Exit codes under test (see celery_singleflight.cli): 0 ok, 1 not held / aborted,
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import pty
@@ -437,7 +438,8 @@ def test_show_watch_and_release_by_the_tasks_arguments(
     unknown = run_cli(redis_server, "show", "--task", "sfapp.nothing_here", "x")
     assert unknown.returncode == 2 and "no SingleFlightTask named 'sfapp.nothing_here'" in unknown.stderr
     assert "sfapp.reporting" in unknown.stderr  # the guarded tasks are listed
-    unbound = run_cli(redis_server, "show", "--task", "sfapp.reporting", "a", "b", "c", "d")
+    too_many = ["a"] * (len(inspect.signature(sfapp.reporting.run).parameters) + 1)  # more than it takes
+    unbound = run_cli(redis_server, "show", "--task", "sfapp.reporting", *too_many)
     assert unbound.returncode == 2 and "Traceback" not in unbound.stderr
     neither = run_cli(redis_server, "show")
     assert neither.returncode == 2 and "--task NAME" in neither.stderr
