@@ -29,15 +29,20 @@ local recs, now = records(n), clock()
 -- the answer for a hand-on of ``msg`` on the slot now reserved as ``res``: every holder that died
 -- on the key is named, the one whose slot was handed on (the reservation keeps it) and any other
 -- (runs waited on the key: each is ended, not only the one whose slot was handed first)
-local function handed(msg, res)
-  local id, worker, task = dead_named(res)
-  local dead = worker ~= '' and {id, worker, task} or {}
+-- every holder whose lease ran out unreleased on a slot of the key, but ``except`` (task id, worker,
+-- task name each), after ``dead``
+local function dead_on_key(dead, except)
   for i = 1, n do
     local r = recs[i]
-    if expired(r, now) and r.task_id and r.task_id ~= id then
+    if expired(r, now) and r.task_id and r.task_id ~= except then
       append(dead, {r.task_id, r.worker or '', r.task_name or ''})
     end
   end
+  return dead
+end
+local function handed(msg, res)
+  local id, worker, task = dead_named(res)
+  local dead = dead_on_key(worker ~= '' and {id, worker, task} or {}, id)
   return append({HANDED_ON, ttl, msg, #dead / 3}, dead)
 end
 for i = 1, n do
@@ -52,18 +57,8 @@ if redis.call('LLEN', queue) == 0 and redis.call('LLEN', joined) == 0 then
   -- runs waited on the key (it is in the waiting index): a holder that died meanwhile is named
   -- once its lease ran out, also after they all went on through another slot (it ends RunLost),
   -- and while a lease is live the key is looked at again when it would run out
-  local dead, left = {}, -1
-  for i = 1, n do
-    local r = recs[i]
-    if expired(r, now) and r.task_id then
-      append(dead, {r.task_id, r.worker or '', r.task_name or ''})
-    elseif live(r, now) and not r.reserved then
-      local ms_left = tonumber(r.deadline) - now
-      if left < 0 or ms_left < left then
-        left = ms_left
-      end
-    end
-  end
+  local dead = dead_on_key({}, nil)
+  local _, _, left = scan(recs, n, now) -- the first live lease's ms left, -1 if none
   return append({NOTHING_WAITS, left, #dead / 3}, dead)
 end
 local version = foreign(recs, n)
