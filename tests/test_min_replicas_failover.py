@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.server  # also run on Redis 6.2 and Valkey 8 (make test
 
 ROUNDS = 4
 BODY = 3.0  # seconds: longer than a failover, so the first run still runs when the second starts
+FAILOVER_MS = 2000  # the sentinels' failover-timeout while a failover may happen
 
 
 @pytest.fixture
@@ -50,8 +52,9 @@ def side() -> Iterator[RedisServer]:
 @pytest.fixture
 def group() -> Iterator[SentinelGroup]:
     # failover-timeout 2 s: a failover a sentinel started (or voted for) blocks the next one for
-    # twice that; they also re-point a replica linked through the proxy after it (see _proxied)
-    sentinels = SentinelGroup(down_after_ms=500, failover_timeout_ms=2000)
+    # twice that; they also re-point a replica linked through the proxy after it, unless told to
+    # leave it (see _sentinels_leave_replicas)
+    sentinels = SentinelGroup(down_after_ms=500, failover_timeout_ms=FAILOVER_MS)
     try:
         sentinels.start()
     except (RuntimeError, OSError) as exc:
@@ -80,26 +83,47 @@ def _through_proxy(replica: RedisServer, master_port: int) -> TcpProxy:
     return proxy
 
 
-def _in_step(group: SentinelGroup, master: RedisServer, replica: RedisServer, proxy: TcpProxy) -> bool:
-    """The replica is linked through the proxy and has all the master wrote, and every sentinel
-    sees it healthy. The sentinels re-point a replica whose master address is not the master's
-    (the proxy's) at the master itself, failover-timeout after they saw it; it is linked through
-    the proxy again here, and the round starts at once."""
+def _out_of_step(group: SentinelGroup, master: RedisServer, replica: RedisServer, proxy: TcpProxy) -> str:
+    """What keeps the round from starting ("" once nothing does): the replica linked through the
+    proxy, with all the master wrote, and seen healthy by every sentinel. A replica whose master
+    address is not the master's (the proxy's) is re-pointed by the sentinels at the master itself
+    unless they are told to leave it (:func:`_sentinels_leave_replicas`); it is linked through
+    the proxy again here."""
     try:
         info = replica.client().info("replication")
         if int(info.get("master_port", 0)) != proxy.port:
             replica.client().replicaof("127.0.0.1", str(proxy.port))
-            return False
+            return f"the replica followed port {info.get('master_port')}, not the proxy"
         offset = master.client().info("replication")["master_repl_offset"]
         if info.get("master_link_status") != "up" or info.get("slave_repl_offset") != offset:
-            return False
+            return (f"the replica's link is {info.get('master_link_status')} at offset "
+                    f"{info.get('slave_repl_offset')} of {offset}")
         for sentinel in group.sentinels:
             seen: Any = sentinel.client().sentinel_slaves(group.master_name)
             if not any(int(r["port"]) == replica.port and r["flags"] == "slave" for r in seen):
-                return False
-    except redis.RedisError:
-        return False
-    return True
+                return f"a sentinel sees the replicas as {[(r['port'], r['flags']) for r in seen]}"
+    except redis.RedisError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _in_step(group: SentinelGroup, master: RedisServer, replica: RedisServer, proxy: TcpProxy,
+             timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while why := _out_of_step(group, master, replica, proxy):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replica not in step within {timeout}s: {why}")
+        time.sleep(0.05)
+
+
+def _sentinels_leave_replicas(group: SentinelGroup, leave: bool) -> None:
+    """A sentinel re-points a replica that follows another address than the master's once the
+    failover-timeout passed since it saw it do so, at its next look (each 10 s, or 1 s): while
+    leaving, that is an hour, so the replica stays on the proxy between rounds. The short one is
+    back before the master is killed: it also spaces failovers (twice it since the last one)."""
+    for sentinel in group.sentinels:
+        sentinel.client().execute_command(
+            "SENTINEL", "SET", group.master_name, "failover-timeout", 3_600_000 if leave else FAILOVER_MS)
 
 
 def _overlaps(events: list[dict[str, Any]]) -> int:
@@ -133,7 +157,8 @@ def test_min_replicas_keeps_a_failover_from_handing_a_key_out_twice(
     try:
         worker.start(replicaapp.app)
         for round_ in range(ROUNDS):
-            wait_for(lambda m=master, r=replica, p=proxy: _in_step(group, m, r, p), timeout=20, interval=0.05)
+            _sentinels_leave_replicas(group, True)
+            _in_step(group, master, replica, proxy)
             proxy.freeze()  # from here the replica gets nothing the master writes
             plain, waiting = f"plain{round_}", f"waiting{round_}"
             firsts = [replicaapp.unreplicated.delay(plain, BODY), replicaapp.replicated.delay(waiting, BODY)]
@@ -141,6 +166,7 @@ def test_min_replicas_keeps_a_failover_from_handing_a_key_out_twice(
             wait_for(lambda p=plain: history.llen(f"history:{p}"), timeout=15)
             wait_for(lambda m=master, w=waiting: m.client().exists(f"sf:{{fo:{w}}}:run"), timeout=15)
             master.kill()
+            _sentinels_leave_replicas(group, False)  # within down-after (0.5 s): the failover is not held up
             proxy.close()
             seconds = [replicaapp.unreplicated.delay(plain, BODY), replicaapp.replicated.delay(waiting, BODY)]
             new_port = group.wait_master_change(master.port)
