@@ -99,11 +99,11 @@
  *   NO_ORDER_SWEEP   no ORDER_SWEEP (policies/ordering.py:182 SkipGaps, order/sweep.lua): a
  *                    predecessor whose message is lost holds its successors for ever (P4)
  *   NO_DELAY_IF_CLAIMED a re-delay by a delayed copy of its key passes no claim
- *                    (run/delay.py:75 delay_again, delayed/delay.lua:29-31 NOT_CLAIMED): a stale
+ *                    (run/delay.py:75 delay_again, delayed/delay.lua:31-34 NOT_CLAIMED): a stale
  *                    attempt whose claim was taken back, held by the copy that runs, delays the
  *                    run again, which runs twice (P5; 18)
  *   NO_REPLAY_NOT_CLAIMED a re-delay's DELAY sent again (its reply lost) after a copy claimed the
- *                    run answers DELAYED (delayed/delay.lua:24-26, run/delay.py:83-86 Ignore): the
+ *                    run answers DELAYED (delayed/delay.lua:26-28, run/delay.py:83-86 Ignore): the
  *                    sweeper's copy of the new delay ends the run, then the retrying attempt sends
  *                    its countdown message, stale, and stores RETRY over that end (P4; D)
  */
@@ -266,10 +266,11 @@ inline DELAY(t0, took0) {
 
 /* DELAY again by a delayed copy of its key that claimed token t (delay_again passes that claim,
    for every re-delay: wait_for_own_attempt, retry): written under a new token only while its
-   claim stands, else NOT_CLAIMED, nothing written, and it raises Ignore. Out: t0 (0: none) */
+   claim stands (claimed by t, or not claimed with t current: a copy the recovery put back, not
+   modelled here), else NOT_CLAIMED, nothing written, and it raises Ignore. Out: t0 (0: none) */
 inline REDELAY(t, t0, took0, rep) {
 #ifndef NO_DELAY_IF_CLAIMED
-  if :: dex && dc != t -> rep = NOT_CLAIMED
+  if :: dex && ((dc != 0 && dc != t) || (dc == 0 && !HAS_TOKEN(t))) -> rep = NOT_CLAIMED
      :: else -> NEWID(t0); DELAY(t0, took0); rep = 0
   fi
 #else

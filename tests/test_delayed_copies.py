@@ -219,6 +219,34 @@ def test_a_copy_put_back_after_a_data_loss_never_replaces_a_newer_delay(
     assert store.delayed.waiting("k", "t8")
 
 
+def test_a_run_that_claimed_while_redis_was_empty_is_delayed_again_over_its_copy_put_back(
+    redis_server: RedisServer,
+) -> None:
+    """Found by a loaded run of the data-loss chaos test: the lease Redis came back empty while a
+    rate-limited run's countdown message (token ``tok``) was starting. Its CLAIM found no entry
+    (GO, nothing written); the recovery then put its copy back under ``tok``, not claimed; the
+    rate limit delayed the run again, passing its claim ``tok``. DELAY answered NOT_CLAIMED (no
+    claim on the entry is not ``tok``), the run was dropped (Ignore), its CLAIM_DONE then took
+    the copy as its own and removed it: nothing was left to run it, and it kept RETRY for ever.
+    The copy not claimed under the caller's own current token is its claim, as CLAIM_DONE has it:
+    the run is delayed again, and only the new delay's message (or its copy) runs it."""
+    store = _store(redis_server.url + "/2")
+    assert claim(store, "k", "t11", "tok") == ClaimReply.GO  # Redis lost the entry: nothing to claim
+    store.delayed.delay("k", "t11", "tok", '{"m": 11}', 0.0, restore=True)  # the recovery puts it back
+    for _ in range(2):  # and a second run of the call (its reply lost) answers the same
+        assert store.delayed.delay("k", "t11", "again", '{"m": 11}', 5.0, claimed="tok") is not None
+    assert done(store, "k", "t11", "tok") == ClaimDoneReply.TAKEN_BACK  # the old claim is done with
+    assert claim(store, "k", "t11", "tok") == ClaimReply.STALE  # the copy put back never runs
+    assert store.delayed.waiting("k", "t11")
+    assert claim(store, "k", "t11", "again") == ClaimReply.GO  # the new delay's message runs it
+    # a caller whose token the entry does not know as current, or claimed by another, still may
+    # not (its claim was taken back: the copy that claims the run runs it)
+    store.delayed.delay("k", "t12", "tok", '{"m": 12}', 0.0, restore=True)
+    assert store.delayed.delay("k", "t12", "later", "{}", 5.0, claimed="unknown") is None
+    assert claim(store, "k", "t12", "tok") == ClaimReply.GO
+    assert store.delayed.delay("k", "t12", "later", "{}", 5.0, claimed="unknown") is None
+
+
 def test_a_claim_whose_worker_is_gone_is_taken_back_and_its_run_never_starts(
     redis_server: RedisServer,
 ) -> None:

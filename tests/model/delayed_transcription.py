@@ -122,15 +122,17 @@ class Model:
         DELAYED_OLD_KEPT kept); a token the entry knows (current, stale or the claim's: a second
         run of this call, its copies moved on meanwhile) changes nothing, the journal mark too,
         and answers NOT_CLAIMED if another copy's claim is on the entry (it owns the run now).
-        ``claimed``: the caller's claim token ('' none); an entry whose claim is not that one
-        (taken back: none, or another copy's) is left as it is: NOT_CLAIMED."""
+        ``claimed``: the caller's claim token ('' none); an entry claimed by another copy, or
+        not claimed and no longer knowing that token as current (taken back), is left as it is:
+        NOT_CLAIMED. Not claimed with that token current: the caller's own copy (its claim found
+        no entry, and the recovery put the copy back), as in CLAIM_DONE."""
         st = self.store
         e = st.entries.get(run)
         if e is not None and (e.has_token(token) or e.is_old(token) or e.c == token):
             if e.c is not None and e.c != token:
                 return ("NOT_CLAIMED",)
             return ("DELAYED",)
-        if e is not None and claimed and e.c != claimed:
+        if e is not None and claimed and (e.c != claimed if e.c is not None else not e.has_token(claimed)):
             return ("NOT_CLAIMED",)
         old: list[str] = []
         if e is not None:

@@ -11,7 +11,9 @@
 --           (it started, or was delayed again, meanwhile: that entry stands)
 -- ARGV[6] - the run's journal mark ('' if it is not journaled)
 -- ARGV[7] - the token of the caller's claim, if it delays the run it claimed: it must still hold
---           that claim (a sweeper may have taken it back: then another copy runs the run)
+--           that claim (a sweeper may have taken it back: then another copy runs the run). A
+--           copy not claimed whose token is current is the caller's, as in CLAIM_DONE: its claim
+--           found no entry (Redis lost it) and the recovery put the copy back under that token
 -- A run delayed again replaces its entry (its earlier copies are stale from then on). Running
 -- this twice writes nothing more, also once the run's copies moved on (a sweeper sent one, which
 -- claimed and started while this call's reply was lost and redis-py sent it again): a token the
@@ -26,7 +28,8 @@ if e and (has_token(e, token) or is_old(e, token) or e.c == token or ARGV[5] == 
   end
   return {DELAYED, tonumber(e.due)}
 end
-if e and ARGV[7] and ARGV[7] ~= '' and e.c ~= ARGV[7] then
+local claimed = ARGV[7]
+if e and claimed and claimed ~= '' and ((e.c and e.c ~= claimed) or (not e.c and not has_token(e, claimed))) then
   return {NOT_CLAIMED}
 end
 local now = clock()
