@@ -26,6 +26,8 @@ from celery_singleflight.protocol.delayed import WORKERS
 from celery_singleflight.testing import RedisServer, WorkerProcess
 from celery_singleflight.testing import singleflight_redis as singleflight_redis  # the public fixture
 
+from .gates import gates_awaited
+
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -115,11 +117,18 @@ def sfapp(redis_server: RedisServer) -> ModuleType:
 
 @pytest.fixture(autouse=True)
 def _clean_state(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Leases (db 2) and the run recorder (db 3) start empty in every test that uses them."""
+    """Leases (db 2) and the run recorder (db 3) start empty in every test that uses them; once the
+    runs a test let go at its end saw their gates (emptied first, they would hold a shared
+    worker's process until their cap, and the next test's runs would wait behind them)."""
     if "sfapp" in request.fixturenames:
         server: RedisServer = request.getfixturevalue("redis_server")
+        recorder = server.client(3)
+        try:
+            wait_for(lambda: not gates_awaited(recorder), timeout=10)
+        except AssertionError:
+            raise AssertionError(f"runs still wait at the open gates {gates_awaited(recorder)}") from None
         server.client(2).flushdb()
-        server.client(3).flushdb()
+        recorder.flushdb()
     yield
 
 

@@ -15,7 +15,7 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 from celery_singleflight import SingleFlightTask
-from tests.gates import hold
+from tests.gates import hold, waiting_at
 
 BASE = os.environ.get("SF_TEST_REDIS", "redis://127.0.0.1:6379")
 BROKER = os.environ.get("SF_TEST_BROKER", f"{BASE}/0")
@@ -452,13 +452,17 @@ def superseding(self, key, n, seconds=0.05, checks=True):
     recorder.set(f"fence:{key}:{n}", self.lease.fence)
     deadline = time.time() + seconds
     seen = False
+    mark = ""
     while time.time() < deadline and not recorder.exists(f"gate:{key}"):
+        mark = waiting_at(recorder, f"gate:{key}")
         if self.lease.superseded and not seen:
             seen = True
             recorder.set(f"seen:{key}:{n}", time.time())
         if checks:
             self.lease.check()
         time.sleep(0.05)
+    if mark:
+        recorder.delete(mark)
     written = fencing.fenced_set(recorder, f"fenced:{key}", str(n), self.lease.fence)
     recorder.rpush(f"done:{key}", n)
     return {"n": n, "fence": self.lease.fence, "written": written}
