@@ -220,7 +220,9 @@ def _give_back(pool: Any, conn: Any, pid: int) -> None:
 
 
 def _forget_after_fork() -> None:
+    global _lock
     _clients.clear()
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

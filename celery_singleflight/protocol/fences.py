@@ -7,6 +7,7 @@ its SHA is computed once, and redis-py loads it again after a Redis restart (NOS
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -29,6 +30,14 @@ SCRIPTS = (FENCED_SET,)
 
 _registered: weakref.WeakKeyDictionary[Any, RegisteredScript] = weakref.WeakKeyDictionary()
 _guard = threading.Lock()
+
+
+def _new_guard_after_fork() -> None:
+    global _guard
+    _guard = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_guard_after_fork)
 
 
 def _script(client: Any) -> RegisteredScript:

@@ -209,7 +209,9 @@ def heartbeat_for(store: LeaseStore) -> Heartbeat:
 
 
 def _forget_after_fork() -> None:
+    global _lock
     _heartbeats.clear()
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
