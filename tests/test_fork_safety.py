@@ -2,16 +2,20 @@
 the noter, the inbox): a lock of the library that one of them held at that instant stays held in
 the child, whose first client, heartbeat or fenced write would then wait on it for ever (its
 ``worker_process_init`` never ends: the pool process never takes a task). Each module lock is
-new in a child. Found by a loaded run: one of ten pool processes never took a task.
+new in a child, and a child closes its copies of the journal's lock files. Found by a loaded
+run: one of ten pool processes never logged a line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +24,7 @@ from celery_singleflight.connection import clients
 from celery_singleflight.protocol import fences
 from celery_singleflight.protocol.store import KeyLayout, LeaseStore
 from celery_singleflight.run import heartbeat
+from celery_singleflight.run.journal import Journal
 
 
 def _new_client() -> None:
@@ -67,3 +72,43 @@ def test_a_child_forked_while_another_thread_held_a_lock_goes_on(
         done.set()
         thread.join()
     assert os.waitstatus_to_exitcode(status) == 0, "the child waited on a lock held at the fork"
+
+
+def test_a_child_forked_while_the_journal_was_locked_leaves_it_to_the_others(tmp_path: Path) -> None:
+    """The journal's ``flock`` belongs to the open lock file, which a forked child shares: had the
+    child kept its copy, the lock would stay held as long as it lives, and every append of the
+    worker node, the child's own first, would wait for ever (a loaded run: the pool process that
+    took a debounced run never logged a line, its run never started)."""
+    journal = Journal(str(tmp_path), "node@host")
+    held, done = threading.Event(), threading.Event()
+
+    def reader() -> None:  # as the main process's sweeper reads the journal
+        with journal._locked():
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert held.wait(5)
+    try:
+        pid = os.fork()
+        if pid == 0:  # a pool process: it appends, then lives on
+            signal.alarm(5)
+            code = 1
+            try:
+                journal.append({"n": "child"})
+                time.sleep(2)
+                code = 0
+            finally:
+                os._exit(code)
+    finally:
+        done.set()
+        thread.join()
+    started = time.monotonic()
+    journal.append({"n": "parent"})  # while the child lives
+    took = time.monotonic() - started
+    _, status = os.waitpid(pid, 0)
+    assert took < 1.0, f"the parent's append waited {took:.1f} s on the child's copy of the lock"
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's own append waited on its copy of the lock"
+    lines = (tmp_path / "node@host.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["n"] for line in lines) == ["child", "parent"]

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time as mod_time
 import uuid
 from collections.abc import Collection, Iterator
@@ -88,6 +89,29 @@ def _file_name(node: str) -> str:
 
 
 
+#: the lock files' descriptors this process has open now. A ``flock`` belongs to the open file,
+#: which a child forked meanwhile (a prefork pool process, forked while the main process's
+#: sweeper reads the journal) shares: its copy would hold the lock for the child's whole life,
+#: and every append of the worker node, the child's own included, would wait for ever. A child
+#: closes its copies at once (never unlocks them: that would free the parent's lock).
+_lock_fds: set[int] = set()
+_fds_lock = threading.Lock()
+
+
+def _close_inherited_locks() -> None:
+    global _fds_lock
+    for fd in _lock_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _lock_fds.clear()
+    _fds_lock = threading.Lock()
+
+
+# the set is whole at the fork: the fork waits for an open or close of a lock file in progress
+os.register_at_fork(before=lambda: _fds_lock.acquire(), after_in_parent=lambda: _fds_lock.release(),
+                    after_in_child=_close_inherited_locks)
+
+
 class Journal:
     """The journal of the worker node ``node`` in ``directory``."""
 
@@ -121,16 +145,20 @@ class Journal:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        try:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except FileNotFoundError:  # the first write (or the directory was cleaned away)
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        with _fds_lock:
+            try:
+                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:  # the first write (or the directory was cleaned away)
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            _lock_fds.add(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)  # closing releases the lock
+            with _fds_lock:
+                _lock_fds.discard(fd)
+                os.close(fd)  # closing releases the lock (once no forked child has a copy)
 
     def append(self, record: dict[str, Any]) -> None:
         """Append one entry (under the lock; after a torn last line, a newline first)."""
