@@ -324,7 +324,9 @@ def test_heartbeat_reports_a_lease_deleted_behind_its_back(store: LeaseStore) ->
         wait_for(lambda: lease.lost_known, timeout=3)  # the heartbeat's verdict
         with pytest.raises(LeaseLost, match="gone"):
             lease.check()
-        assert seen and "expired or was released" in seen[0]
+        # the heartbeat's thread marks the lease lost, then sends the signal: wait for that too
+        wait_for(lambda: seen, timeout=3)
+        assert "expired or was released" in seen[0]
     finally:
         signals.lease_lost.disconnect(on_lost)
         beat.stop()
