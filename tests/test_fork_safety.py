@@ -8,13 +8,15 @@ run: one of ten pool processes never logged a line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,41 @@ def _fenced_script() -> None:
     fences._script(clients.redis_client("redis://127.0.0.1:1/0"))
 
 
+@contextlib.contextmanager
+def _held_in_another_thread(locked: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """While the block runs, another thread of this process holds ``locked()``."""
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with locked():
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(5)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _fork(child: Callable[[], None]) -> int:
+    """Fork a child that runs ``child``: exit code 0 if it returned, else 1 (an error, or its 5 s
+    alarm ended a wait on a lock)."""
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(5)
+        code = 1
+        try:
+            child()
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
 @pytest.mark.parametrize(("module", "lock", "first_use"), [
     (clients, "_lock", _new_client),
     (heartbeat, "_lock", _new_heartbeat),
@@ -47,30 +84,8 @@ def _fenced_script() -> None:
 def test_a_child_forked_while_another_thread_held_a_lock_goes_on(
     module: Any, lock: str, first_use: Callable[[], None]
 ) -> None:
-    held, done = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with getattr(module, lock):
-            held.set()
-            done.wait(10)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert held.wait(5)
-    try:
-        pid = os.fork()
-        if pid == 0:  # the child: its first use must not wait on the parent's thread
-            signal.alarm(5)  # a child waiting on the lock is ended by it (exit code 1)
-            code = 1
-            try:
-                first_use()
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        done.set()
-        thread.join()
+    with _held_in_another_thread(lambda: getattr(module, lock)):
+        _, status = os.waitpid(_fork(first_use), 0)  # its first use must not wait on that thread
     assert os.waitstatus_to_exitcode(status) == 0, "the child waited on a lock held at the fork"
 
 
@@ -80,30 +95,13 @@ def test_a_child_forked_while_the_journal_was_locked_leaves_it_to_the_others(tmp
     worker node, the child's own first, would wait for ever (a loaded run: the pool process that
     took a debounced run never logged a line, its run never started)."""
     journal = Journal(str(tmp_path), "node@host")
-    held, done = threading.Event(), threading.Event()
 
-    def reader() -> None:  # as the main process's sweeper reads the journal
-        with journal._locked():
-            held.set()
-            done.wait(10)
+    def pool_process() -> None:  # it appends, then lives on
+        journal.append({"n": "child"})
+        time.sleep(2)
 
-    thread = threading.Thread(target=reader)
-    thread.start()
-    assert held.wait(5)
-    try:
-        pid = os.fork()
-        if pid == 0:  # a pool process: it appends, then lives on
-            signal.alarm(5)
-            code = 1
-            try:
-                journal.append({"n": "child"})
-                time.sleep(2)
-                code = 0
-            finally:
-                os._exit(code)
-    finally:
-        done.set()
-        thread.join()
+    with _held_in_another_thread(journal._locked):  # as the main process's sweeper reads it
+        pid = _fork(pool_process)
     started = time.monotonic()
     journal.append({"n": "parent"})  # while the child lives
     took = time.monotonic() - started
